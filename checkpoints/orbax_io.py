@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax.config import Config
-from dsv4_jax.models import quant
+from dsv4_jax import quant
 from dsv4_jax.params import abstract_params
 from . import precision
 from .common import (GLOBALS_GROUP, checkpoint_precision, flat_leaves, group_of, group_subtree,

@@ -11,7 +11,7 @@ naming the tensor:
   exact in BF16/F32 whenever the scale exponents keep every product inside the target's
   range (``check_exact_dequant``; true for any real checkpoint).
 
-These are numpy twins of ``dsv4_jax.models.quant.dequant_fp8_weight`` /
+These are numpy twins of ``dsv4_jax.quant.dequant_fp8_weight`` /
 ``dequant_fp4_weight`` (the tests compare them bit for bit) so loading needs no device
 compute and no per-shape compilation.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from dsv4_jax.models.quant import FP4_CODE_VALUES
+from dsv4_jax.quant import FP4_CODE_VALUES
 from .safetensors_io import CheckpointError
 
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)

@@ -115,7 +115,7 @@ def _fill(key, *, kind, std, shape, dtype, n_experts=0, code_std=1.0):
 def _fill_host(rng: np.random.Generator, *, kind, std, shape, dtype, n_experts=0,
                code_std=1.0):
     """numpy twin of ``_fill`` for unsharded init: no compilation at all."""
-    from dsv4_jax.models.quant import FP4_CODE_VALUES
+    from dsv4_jax.quant import FP4_CODE_VALUES
     if kind == "ones":
         return np.ones(shape, dtype)
     if kind == "normal":

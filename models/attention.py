@@ -26,7 +26,7 @@ from flax import struct
 from dsv4_jax.config import Config
 from dsv4_jax.cache import LayerCache
 from dsv4_jax.ffi import sparse_attention
-from . import quant
+from dsv4_jax import quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
 from .layers import (Linear, RMSNorm, act_dtype, dequant_weight, fp8_codes_init,

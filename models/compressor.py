@@ -16,7 +16,7 @@ import flax.linen as nn
 from flax import struct
 
 from dsv4_jax.config import Config
-from . import quant
+from dsv4_jax import quant
 from .layers import Linear, RMSNorm, act_dtype, normal_init, rope_tail
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from dsv4_jax.config import Config
-from . import quant
+from dsv4_jax import quant
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from dsv4_jax.config import Config
-from . import quant
+from dsv4_jax import quant
 from .layers import (HIGHEST, Linear, act_dtype, fp4_packed_init, fp8_codes_init, matmul_f32,
                      normal_init, pow2_scale_init, FP4_CODE_STD, FP8_CODE_STD)
 

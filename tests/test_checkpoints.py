@@ -21,7 +21,7 @@ from dsv4_jax.checkpoints import CheckpointError, convert
 from dsv4_jax.checkpoints.names import checkpoint_inventory
 from dsv4_jax.checkpoints.safetensors_io import SafetensorsFile, write_safetensors
 from dsv4_jax.checkpoints.testing import tiny_config, write_tiny_checkpoint
-from dsv4_jax.models import quant
+from dsv4_jax import quant
 
 # Three layers keep every structural feature (SWA + hash routing, CSA + indexer + hash
 # routing, HCA + biased routing, MTP) and compile faster than Config.tiny's four.

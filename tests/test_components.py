@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 from dsv4_jax.cache import init_layer_cache
 from dsv4_jax.ffi import sparse_attention_reference
-from dsv4_jax.models import layers, mhc, moe, quant
+from dsv4_jax import quant
+from dsv4_jax.models import layers, mhc, moe
 from dsv4_jax.models.attention import Attention, GroupedOutput, update_ring, window_indices
 from dsv4_jax.models.compressor import Compressor, commit_compressor
 from dsv4_jax.models.transformer import Block, DSV4

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax.linen import module as flax_module
 
 import dsv4_jax as dj
-from dsv4_jax.models import quant
+from dsv4_jax import quant
 from dsv4_jax.models.transformer import DSV4
 
 SITES = ("act_quant_dequant", "fp8_simulate", "fp4_simulate")

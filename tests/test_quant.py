@@ -13,7 +13,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.models import quant
+from dsv4_jax import quant
 from dsv4_jax.models.mhc import split_sinkhorn
 
 VECTORS = pathlib.Path(os.environ.get(
