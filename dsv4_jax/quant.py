@@ -65,6 +65,22 @@ def act_quant_dequant(x: jax.Array, block: int = 128) -> jax.Array:
     return (_blocked(q, block).astype(jnp.float32) * s[..., None]).reshape(x.shape)
 
 
+def gemm_operands(x: jax.Array, w: jax.Array, simulate: bool):
+    """Operands of the reference's ``x @ w.T`` for a dequantised weight ``w`` (f32 or BF16).
+
+    ``simulate`` (quantised weights with ``quant_simulation``): the activation goes through
+    ``act_quant_dequant`` (FP8 1x128 blocks, as the official FP8/FP4 GEMMs) and both operands
+    are BF16 -- exact, since FP8 values and code x power-of-two weights are BF16 numbers -- so
+    the only rounding is the f32 accumulation. Otherwise BF16 activations multiply BF16
+    weights and f32 activations f32 weights.
+    """
+    if simulate:
+        return act_quant_dequant(x).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    if x.dtype == jnp.bfloat16:
+        return x, w.astype(jnp.bfloat16)
+    return x.astype(jnp.float32), w.astype(jnp.float32)
+
+
 def fp8_simulate(x: jax.Array, block: int = 64) -> jax.Array:
     """In-place FP8 simulation of the KV entry (``act_quant(..., inplace=True)``), same dtype out."""
     xb = _blocked(x, block)

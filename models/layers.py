@@ -111,13 +111,7 @@ def quantized_matmul(x: jax.Array, w_f32: jax.Array, simulate: bool) -> jax.Arra
     BF16, so the products are exact with BF16 operands and the only rounding is the f32
     accumulation -- the same arithmetic as the official FP8 GEMM, and tensor-core friendly.
     """
-    if simulate:
-        xin = quant.act_quant_dequant(x).astype(jnp.bfloat16)
-        w = w_f32.astype(jnp.bfloat16)
-    elif x.dtype == jnp.bfloat16:
-        xin, w = x, w_f32.astype(jnp.bfloat16)
-    else:
-        xin, w = x.astype(jnp.float32), w_f32
+    xin, w = quant.gemm_operands(x, w_f32, simulate)
     return jnp.einsum("...i,oi->...o", xin, w, preferred_element_type=jnp.float32,
                       precision=HIGHEST).astype(x.dtype)
 
