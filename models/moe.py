@@ -9,9 +9,10 @@ Per (token, expert) assignment the reference computes::
     h = (weight * silu(gate) * up).to(bf16)        # routing weight applied before w2
     y += w2(h)                                     # f32 accumulation over experts
 
-Two XLA schedules compute exactly that: with fewer assignments than experts (decode) the
-selected experts' weights are gathered per assignment; otherwise assignments are sorted by
-expert and multiplied with ``lax.ragged_dot_general`` (one grouped GEMM per projection).
+The routed experts are the op ``dsv4_jax.ffi.moe_experts`` (``ffi/moe.py`` holds the contract):
+the CuTe kernel when lowering for Hopper, else its XLA reference -- gathered expert weights
+per assignment when there are fewer assignments than experts (decode), one grouped GEMM per
+projection (``lax.ragged_dot_general``) otherwise.
 """
 from __future__ import annotations
 
@@ -20,86 +21,24 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from dsv4_jax.config import Config
-from dsv4_jax import quant
-from .layers import (HIGHEST, Linear, act_dtype, fp4_packed_init, fp8_codes_init, matmul_f32,
+from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
+from .layers import (Linear, act_dtype, fp4_packed_init, fp8_codes_init, matmul_f32,
                      normal_init, pow2_scale_init, FP4_CODE_STD, FP8_CODE_STD)
 
 
-def gemm_operands(x: jax.Array, w_f32: jax.Array, simulate: bool, quantized: bool):
-    """Operands for ``x @ w.T`` as the reference multiplies them (see layers.quantized_matmul)."""
-    if quantized and simulate:
-        return quant.act_quant_dequant(x).astype(jnp.bfloat16), w_f32.astype(jnp.bfloat16)
-    if x.dtype == jnp.bfloat16:
-        return x, w_f32.astype(jnp.bfloat16)
-    return x.astype(jnp.float32), w_f32.astype(jnp.float32)
-
-
-def dequant_experts(weight: jax.Array, scale: jax.Array | None, dtype=jnp.float32) -> jax.Array:
-    """Stacked expert weights in any storage format -> ``dtype`` (plain weights unchanged).
-
-    FP8/FP4 codes times a power-of-two scale are exact in BF16, so dequantising straight to
-    BF16 loses nothing and halves the transient memory of the XLA path."""
-    if scale is None:
-        return weight
-    if weight.dtype in (jnp.int8, jnp.uint8):
-        w = quant.dequant_fp4_weight(weight, scale)
-    else:
-        w = quant.dequant_fp8_weight(weight, scale)
-    return w.astype(dtype)
-
-
-def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
-    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
-    if limit > 0:
-        up = jnp.clip(up, -limit, limit)
-        gate = jnp.minimum(gate, limit)
-    return jax.nn.silu(gate) * up
-
-
-def _dot_per_assignment(x, w, simulate, quantized, out_dtype):
-    xin, win = gemm_operands(x, w, simulate, quantized)
-    return jnp.einsum("ad,aod->ao", xin, win, preferred_element_type=jnp.float32,
-                      precision=HIGHEST).astype(out_dtype)
-
-
-def _dot_grouped(x, w, group_sizes, simulate, quantized, out_dtype):
-    xin, win = gemm_operands(x, w, simulate, quantized)
-    dims = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])),
-        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return jax.lax.ragged_dot_general(xin, win, group_sizes, dims, precision=HIGHEST,
-                                      preferred_element_type=jnp.float32).astype(out_dtype)
+def moe_op_kwargs(cfg: Config) -> dict:
+    """The op's static arguments for a model configuration."""
+    return dict(swiglu_limit=cfg.swiglu_limit, quantized=cfg.quantized,
+                simulate=cfg.quant_simulation)
 
 
 def expert_rows(xa: jax.Array, ea: jax.Array, wa: jax.Array, params: dict,
                 cfg: Config) -> jax.Array:
-    """``w2(wa * swiglu(w1 xa, w3 xa))`` per assignment row: rows ``[A, d]``, expert ids ``[A]``
-    (into the stacked weights of ``params``), weights ``[A]`` -> ``[A, d]`` in xa's dtype.
-
-    Fewer rows than experts (decode): gather each row's expert weights. Otherwise: sort rows by
-    expert and run one grouped GEMM per projection (``ragged_dot_general``).
-    """
-    dt = xa.dtype
-    sim, qz = cfg.quant_simulation, cfg.quantized
-    n_exp = params["w1"][0].shape[0]
-    rows = xa.shape[0]
-    if rows < n_exp:
-        def w(name):
-            weight, scale = params[name]
-            return dequant_experts(weight[ea], None if scale is None else scale[ea], dt)
-        h = swiglu(_dot_per_assignment(xa, w("w1"), sim, qz, dt),
-                   _dot_per_assignment(xa, w("w3"), sim, qz, dt), cfg.swiglu_limit)
-        h = (wa[:, None] * h).astype(dt)
-        return _dot_per_assignment(h, w("w2"), sim, qz, dt)
-    order = jnp.argsort(ea, stable=True)
-    group_sizes = jnp.bincount(ea, length=n_exp).astype(jnp.int32)
-    xs = xa[order]
-    deq = {n: dequant_experts(*params[n], dt) for n in ("w1", "w2", "w3")}
-    h = swiglu(_dot_grouped(xs, deq["w1"], group_sizes, sim, qz, dt),
-               _dot_grouped(xs, deq["w3"], group_sizes, sim, qz, dt), cfg.swiglu_limit)
-    h = (wa[order][:, None] * h).astype(dt)
-    out = _dot_grouped(h, deq["w2"], group_sizes, sim, qz, dt)
-    return jnp.zeros_like(out).at[order].set(out)
+    """``w2(wa * swiglu(w1 xa, w3 xa))`` per assignment row (``ffi.moe_expert_rows``): rows
+    ``[A, d]``, expert ids ``[A]`` into the stacked weights of ``params`` (ids outside
+    ``[0, E)`` inside jit are dropped), weights ``[A]`` -> ``[A, d]`` in xa's dtype."""
+    return moe_expert_rows(xa, ea, wa, params["w1"], params["w3"], params["w2"],
+                           **moe_op_kwargs(cfg))
 
 
 def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, params: dict,
@@ -107,16 +46,15 @@ def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, param
     """Sum over each token's experts of ``w2(weight * swiglu(w1 x, w3 x))``: f32 ``[T, d]``.
 
     ``params`` maps ``w1``/``w2``/``w3`` to ``(weight, scale or None)`` stacked over experts.
-    With a ``mesh`` the experts are split over its ``expert`` axis (expert parallelism).
+    With a ``mesh`` the experts are split over its ``expert`` axis (expert parallelism) and
+    each device runs ``moe_expert_rows`` on the rows it received.
     """
     if mesh is not None:
         from .parallel import expert_parallel
         return expert_parallel(x, route_w, route_idx, params, cfg.n_routed_experts, mesh,
                                lambda r, e, w, p: expert_rows(r, e, w, p, cfg))
-    t, k = route_idx.shape
-    token = jnp.repeat(jnp.arange(t), k)
-    out = expert_rows(x[token], route_idx.reshape(-1), route_w.reshape(-1), params, cfg)
-    return jax.ops.segment_sum(out.astype(jnp.float32), token, num_segments=t)
+    return moe_experts(x, route_idx, route_w, params["w1"], params["w3"], params["w2"],
+                       **moe_op_kwargs(cfg))
 
 
 class StackedWeight(nn.Module):

@@ -84,7 +84,8 @@ def expert_parallel(x, route_w, route_idx, params, n_experts: int, mesh, rows_fn
     """Routed-expert sum for tokens split over the batch and experts split over ``expert``.
 
     ``rows_fn(rows [R, d], local expert [R], weight [R], local params) -> [R, d]`` computes
-    single assignments (weight 0 for empty slots gives exact zeros). Returns f32 ``[T, d]``.
+    single assignments (``ffi.moe_expert_rows``); empty slots have expert -1 and weight 0 and
+    must come back as zero rows. Returns f32 ``[T, d]``.
     """
     axes = batch_axes(mesh)
     n = mesh.shape[EXPERT] if EXPERT in mesh.axis_names else 1
@@ -111,9 +112,9 @@ def expert_parallel(x, route_w, route_idx, params, n_experts: int, mesh, rows_fn
         else:
             exchange = lambda v: v
         recv_x, recv_e, recv_w = exchange(send_x), exchange(send_e), exchange(send_w)
-        valid = recv_e >= 0
-        out = rows_fn(recv_x.reshape(n * a, -1), jnp.maximum(recv_e, 0).reshape(-1),
-                      jnp.where(valid, recv_w, 0.0).reshape(-1), pl)
+        # Empty capacity slots keep id -1: the MoE op drops ids outside [0, E) (zero rows),
+        # and a kernel can skip them instead of computing some expert with weight 0.
+        out = rows_fn(recv_x.reshape(n * a, -1), recv_e.reshape(-1), recv_w.reshape(-1), pl)
         back = exchange(out.reshape(n, a, -1))
         mine = back[d_sorted, slot].astype(jnp.float32)
         return jax.ops.segment_sum(mine, token[order], num_segments=t)

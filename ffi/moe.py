@@ -1,0 +1,318 @@
+"""Routed experts of one MoE layer: the op every DSV4 MoE layer calls.
+
+Contract::
+
+    moe_experts(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized, simulate,
+                implementation=None) -> y [T, d] f32
+    moe_expert_rows(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate,
+                    implementation=None) -> rows [A, d] in xa's dtype
+
+    x:          [T, d]  token rows, bf16 or f32
+    route_idx:  [T, k]  int32 expert ids, k <= E;   route_w: [T, k] floating routing weights
+    xa, ea, wa: [A, d], [A], [A]  one row per (token, expert) assignment
+    w1, w3:     (weight, scale) of logical shape [E, inter, d];  w2: [E, d, inter]
+      packed FP4 e2m1: int8/uint8 weight [E, out, in/2] (low nibble = even column),
+                       E8M0 scale [E, out, in/32]
+      FP8 e4m3:        float8_e4m3fn weight [E, out, in], E8M0 scale [E, ceil(out/128),
+                       ceil(in/128)]
+      plain:           bf16/f16/f32 weight [E, out, in], scale None
+      (E8M0 scales: float8_e8m0fnu, raw uint8 exponent bytes, or f32 powers of two)
+
+    rows[a] = w2[e] (wa[a] * swiglu(w1[e] xa[a], w3[e] xa[a]))          e = ea[a]
+    y[t]    = sum_j rows of (t, route_idx[t, j])                          f32 accumulation
+    swiglu(g, u) = silu(min(g, l)) * clip(u, -l, l)                       l = swiglu_limit (0: none)
+
+Numerics of the reference (the model's arithmetic, ``quant.gemm_operands``):
+
+* official (``quantized`` weights and ``simulate``, i.e. ``Config.quant_simulation``): before
+  each of the three GEMMs the activation is quantised to FP8 e4m3 in 1x128 blocks with
+  power-of-two scales; the GEMMs multiply those values by the exactly dequantised weights (BF16
+  operands, both exact), accumulate in f32 and round their outputs to xa's dtype (BF16 for the
+  BF16 model). SwiGLU and the routing weight are applied in f32 -- the weight *before* w2 --
+  and h is rounded to xa's dtype before the FP8 quantisation of the w2 GEMM.
+* ``simulate=False`` or plain weights: weights dequantised exactly; BF16 activations multiply
+  BF16 weights, f32 activations f32 weights (true f32, no TF32), f32 accumulation.
+
+Two XLA schedules compute that: with fewer rows than experts (decode) each row gathers its
+expert's weights; otherwise rows are sorted by expert and each projection is one
+``lax.ragged_dot_general``. The outputs are fresh arrays.
+
+Expert ids outside ``[0, E)`` are never read: concrete ids (outside ``jit``) raise
+``ValueError``; traced ids are *dropped* -- the row's output is 0 and it adds nothing to its
+token (expert parallelism relies on this for its empty slots, id -1).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax import quant
+
+__all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
+           "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
+           "weight_format"]
+
+HIGHEST = jax.lax.Precision.HIGHEST
+_ACT_DTYPES = (jnp.bfloat16, jnp.float32)
+_PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_SCALE_DTYPES = (quant.E8M0_DTYPE, jnp.uint8, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- argument checks
+def _describe(name, x):
+    return f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}"
+
+
+def weight_format(weight, scale, name: str = "weight", op: str = "moe") -> str:
+    """``"fp4"``, ``"fp8"`` or ``"plain"`` from the storage dtype; TypeError when unknown."""
+    if weight.dtype in (jnp.int8, jnp.uint8):
+        fmt = "fp4"
+    elif weight.dtype == quant.FP8_DTYPE:
+        fmt = "fp8"
+    elif weight.dtype in _PLAIN_DTYPES:
+        fmt = "plain"
+    else:
+        raise TypeError(f"{op}: {name} must be packed FP4 (int8/uint8), FP8 e4m3 or "
+                        f"bf16/f16/f32; {_describe(name, weight)}")
+    if fmt == "plain" and scale is not None:
+        raise ValueError(f"{op}: {name} is plain {weight.dtype} and takes no scale; "
+                         f"{_describe(name + ' scale', scale)}")
+    if fmt != "plain" and scale is None:
+        raise ValueError(f"{op}: {name} is {fmt.upper()} ({_describe(name, weight)}) and needs "
+                         f"its E8M0 scale, got None")
+    return fmt
+
+
+def _expected_scale_shape(fmt, e, out_f, in_f):
+    if fmt == "fp4":
+        return (e, out_f, in_f // 32)
+    return (e, -(-out_f // 128), -(-in_f // 128))
+
+
+def _check_projection(op, name, w, e, out_f, in_f):
+    """One ``(weight, scale)`` pair of logical shape ``[e, out_f, in_f]``; returns its format."""
+    if not isinstance(w, (tuple, list)) or len(w) != 2:
+        raise TypeError(f"{op}: {name} must be a (weight, scale or None) pair, got "
+                        f"{type(w).__name__}")
+    weight, scale = w
+    fmt = weight_format(weight, scale, name, op)
+    stored_in = in_f // 2 if fmt == "fp4" else in_f
+    if weight.ndim != 3 or tuple(weight.shape) != (e, out_f, stored_in) or (
+            fmt == "fp4" and in_f % 2):
+        packed = " (FP4: two codes per byte)" if fmt == "fp4" else ""
+        raise ValueError(f"{op}: {name} weight must be [E={e}, {out_f}, {stored_in}]{packed}; "
+                         f"{_describe(name, weight)}")
+    if fmt == "plain":
+        return fmt
+    if fmt == "fp4" and in_f % 32:
+        raise ValueError(f"{op}: {name} is FP4 with in={in_f}, not a multiple of the 32-wide "
+                         f"scale blocks; {_describe(name, weight)}")
+    want = _expected_scale_shape(fmt, e, out_f, in_f)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{op}: {name} scale must be {list(want)} for {fmt.upper()} weight "
+                         f"{tuple(weight.shape)}; {_describe(name + ' scale', scale)}")
+    if scale.dtype not in _SCALE_DTYPES:
+        raise TypeError(f"{op}: {name} scale must be E8M0 (float8_e8m0fnu or uint8) or f32; "
+                        f"{_describe(name + ' scale', scale)}")
+    return fmt
+
+
+def check_moe_args(x, idx, weights, w1, w3, w2, *, op: str = "moe_experts"):
+    """Raise ``TypeError``/``ValueError`` naming the argument when shapes or dtypes are wrong.
+
+    Token form: ``x [T, d]``, ``idx``/``weights [T, k]``; row form: ``x [A, d]``,
+    ``idx``/``weights [A]``. Returns the weight format (``"fp4"``, ``"fp8"``, ``"plain"``).
+    """
+    if x.ndim != 2:
+        raise ValueError(f"{op}: x must be [rows, d]; {_describe('x', x)}")
+    if x.dtype not in _ACT_DTYPES:
+        raise TypeError(f"{op}: x must be bf16 or f32; {_describe('x', x)}")
+    rows, d = x.shape
+    want = "[T, k]" if idx.ndim == 2 else "[A]"
+    if idx.ndim not in (1, 2) or idx.shape[0] != rows:
+        raise ValueError(f"{op}: expert ids must be [T={rows}, k] (or [A={rows}] per row); "
+                         f"{_describe('idx', idx)}, {_describe('x', x)}")
+    if idx.dtype != jnp.int32:
+        raise TypeError(f"{op}: expert ids must be int32; {_describe('idx', idx)}")
+    if tuple(weights.shape) != tuple(idx.shape):
+        raise ValueError(f"{op}: routing weights must be {want} like the ids; "
+                         f"{_describe('weights', weights)}, {_describe('idx', idx)}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise TypeError(f"{op}: routing weights must be floating; "
+                        f"{_describe('weights', weights)}")
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        if not isinstance(w, (tuple, list)) or len(w) != 2 or getattr(w[0], "ndim", 0) != 3:
+            raise ValueError(f"{op}: {name} must be a (weight [E, out, in], scale) pair; got "
+                             + (_describe(name, w[0]) if isinstance(w, (tuple, list)) and w
+                                and hasattr(w[0], "shape") else type(w).__name__))
+    e, inter = w1[0].shape[0], w1[0].shape[1]
+    fmt = _check_projection(op, "w1", w1, e, inter, d)
+    fmt3 = _check_projection(op, "w3", w3, e, inter, d)
+    w2_in = w2[0].shape[2] * (2 if w2[0].dtype in (jnp.int8, jnp.uint8) else 1)
+    if w2[0].shape[0] != e or w2_in != inter:
+        raise ValueError(f"{op}: w2 weight must be [E={e}, d={d}, inter={inter}] (w1 is "
+                         f"{tuple(w1[0].shape)}); {_describe('w2', w2[0])}")
+    fmt2 = _check_projection(op, "w2", w2, e, d, inter)
+    if not fmt == fmt3 == fmt2:
+        raise TypeError(f"{op}: w1, w3, w2 must share one format, got {fmt}, {fmt3}, {fmt2}")
+    if idx.ndim == 2 and idx.shape[1] > e:
+        raise ValueError(f"{op}: k={idx.shape[1]} experts per token > E={e} experts; "
+                         f"{_describe('idx', idx)}")
+    return fmt
+
+
+def _check_ids_in_range(ids, n_experts: int, op: str):
+    """Concrete ids outside ``[0, E)`` are a caller bug: raise. Traced ids are dropped later."""
+    if isinstance(ids, jax.core.Tracer):
+        return
+    values = np.asarray(ids)
+    bad = (values < 0) | (values >= n_experts)
+    if bad.any():
+        raise ValueError(f"{op}: expert id {int(values[bad][0])} outside [0, {n_experts}) "
+                         f"({int(bad.sum())} of {values.size} ids); inside jit such ids are "
+                         f"dropped")
+
+
+# ----------------------------------------------------------------------------- reference
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """``silu(min(gate, l)) * clip(up, -l, l)`` in f32 (``limit`` 0: no clamp)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return jax.nn.silu(gate) * up
+
+
+def _dequant(weight: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    """Stacked expert weights in any storage format -> ``dtype`` (plain weights unchanged).
+
+    FP8/FP4 codes times a power-of-two scale are exact in BF16, so dequantising straight to
+    BF16 loses nothing and halves the transient memory of the XLA path."""
+    if scale is None:
+        return weight
+    if weight.dtype in (jnp.int8, jnp.uint8):
+        w = quant.dequant_fp4_weight(weight, scale)
+    else:
+        w = quant.dequant_fp8_weight(weight, scale)
+    return w.astype(dtype)
+
+
+def _dot_per_assignment(x, w, simulate, out_dtype):
+    xin, win = quant.gemm_operands(x, w, simulate)
+    return jnp.einsum("ad,aod->ao", xin, win, preferred_element_type=jnp.float32,
+                      precision=HIGHEST).astype(out_dtype)
+
+
+def _dot_grouped(x, w, group_sizes, simulate, out_dtype):
+    xin, win = quant.gemm_operands(x, w, simulate)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(xin, win, group_sizes, dims, precision=HIGHEST,
+                                      preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def moe_expert_rows_reference(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate):
+    """Pure-JAX definition of ``moe_expert_rows`` (runs anywhere); see the module docstring."""
+    check_moe_args(xa, ea, wa, w1, w3, w2, op="moe_expert_rows")
+    dt = xa.dtype
+    sim = bool(quantized and simulate)
+    params = {"w1": w1, "w3": w3, "w2": w2}
+    n_exp = w1[0].shape[0]
+    valid = (ea >= 0) & (ea < n_exp)
+    # Dropped rows compute expert 0 with weight 0 and are zeroed at the end.
+    ea = jnp.where(valid, ea, 0)
+    wa = jnp.where(valid, wa, 0)
+    if xa.shape[0] < n_exp:
+        def w(name):
+            weight, scale = params[name]
+            return _dequant(weight[ea], None if scale is None else scale[ea], dt)
+        h = swiglu(_dot_per_assignment(xa, w("w1"), sim, dt),
+                   _dot_per_assignment(xa, w("w3"), sim, dt), swiglu_limit)
+        h = (wa[:, None] * h).astype(dt)
+        out = _dot_per_assignment(h, w("w2"), sim, dt)
+    else:
+        order = jnp.argsort(ea, stable=True)
+        group_sizes = jnp.bincount(ea, length=n_exp).astype(jnp.int32)
+        xs = xa[order]
+        deq = {n: _dequant(*params[n], dt) for n in ("w1", "w2", "w3")}
+        h = swiglu(_dot_grouped(xs, deq["w1"], group_sizes, sim, dt),
+                   _dot_grouped(xs, deq["w3"], group_sizes, sim, dt), swiglu_limit)
+        h = (wa[order][:, None] * h).astype(dt)
+        out = _dot_grouped(h, deq["w2"], group_sizes, sim, dt)
+        out = jnp.zeros_like(out).at[order].set(out)
+    return jnp.where(valid[:, None], out, jnp.zeros((), dt))
+
+
+def _token_sum(rows_fn, x, route_idx, route_w):
+    """Repeat each token per assignment, run ``rows_fn`` and sum each token's rows in f32."""
+    t, k = route_idx.shape
+    token = jnp.repeat(jnp.arange(t), k)
+    out = rows_fn(x[token], route_idx.reshape(-1), route_w.reshape(-1))
+    return jax.ops.segment_sum(out.astype(jnp.float32), token, num_segments=t)
+
+
+def moe_experts_reference(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized,
+                          simulate):
+    """Pure-JAX definition of ``moe_experts`` (runs anywhere); see the module docstring."""
+    check_moe_args(x, route_idx, route_w, w1, w3, w2, op="moe_experts")
+    rows = functools.partial(moe_expert_rows_reference, w1=w1, w3=w3, w2=w2,
+                             swiglu_limit=swiglu_limit, quantized=quantized, simulate=simulate)
+    return _token_sum(rows, x, route_idx, route_w)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:
+    """Whether the Hopper kernel handles these arguments: ``(ok, reason)``; imports no cutlass."""
+    try:
+        from .moe_sm90 import sm90_support
+    except ModuleNotFoundError as e:   # the kernel module is optional; its own bugs are not
+        if e.name != f"{__package__}.moe_sm90":
+            raise
+        return False, "no Hopper MoE kernel in this build (ffi/moe_sm90.py is missing)"
+    return sm90_support(xa, w1, w3, w2)
+
+
+def moe_expert_rows(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate,
+                    implementation=None):
+    """``w2(wa * swiglu(w1 xa, w3 xa))`` per assignment row; see the module docstring.
+
+    ``implementation``: ``"cute"`` (the Hopper kernel; raises when it cannot run these
+    arguments or there is no GPU), ``"xla"`` (the reference) or ``None`` (the kernel when
+    lowering for CUDA and it supports the arguments, else the reference).
+    ``DSV4_IMPLEMENTATION=xla`` (or ``moe=xla``) forces the reference.
+    """
+    from .dispatch import cute_or_reference, select_implementation
+
+    check_moe_args(xa, ea, wa, w1, w3, w2, op="moe_expert_rows")
+    _check_ids_in_range(ea, w1[0].shape[0], "moe_expert_rows")
+    choice = select_implementation("moe", implementation, kernel_support(xa, w1, w3, w2))
+    reference = functools.partial(moe_expert_rows_reference, swiglu_limit=swiglu_limit,
+                                  quantized=quantized, simulate=simulate)
+    if choice == "xla":
+        return reference(xa, ea, wa, w1, w3, w2)
+    from .moe_sm90 import expert_rows_sm90
+    # The kernel must drop ids outside [0, E) itself: expert parallelism sends id -1 for its
+    # empty capacity slots, and clamping them would make it compute expert 0 for every one.
+    cute = functools.partial(expert_rows_sm90, swiglu_limit=float(swiglu_limit),
+                             simulate=bool(quantized and simulate))
+    if choice == "cute":
+        return cute(xa, ea, wa, w1, w3, w2)
+    return cute_or_reference(cute, reference, xa, ea, wa, w1, w3, w2)
+
+
+def moe_experts(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized, simulate,
+                implementation=None):
+    """Routed-expert output of one MoE layer, f32 ``[T, d]``; see the module docstring.
+
+    ``implementation`` as for ``moe_expert_rows`` (which computes the rows).
+    """
+    check_moe_args(x, route_idx, route_w, w1, w3, w2, op="moe_experts")
+    _check_ids_in_range(route_idx, w1[0].shape[0], "moe_experts")
+    rows = functools.partial(moe_expert_rows, w1=w1, w3=w3, w2=w2, swiglu_limit=swiglu_limit,
+                             quantized=quantized, simulate=simulate,
+                             implementation=implementation)
+    return _token_sum(rows, x, route_idx, route_w)
