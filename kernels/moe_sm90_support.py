@@ -1,0 +1,75 @@
+"""Shape limits, configurations and launch sizes of ``moe_sm90`` (no cutlass import).
+
+The JAX side consults ``MoeGemmSm90Config.is_supported`` before it imports CuTe DSL at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+WEIGHT_FORMATS = ("fp4", "fp8", "bf16")
+BLOCK_M = 64             # weight rows per math warpgroup = WGMMA M
+BLOCK_K = 128            # K elements per pipeline stage
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+# Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
+ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
+MAX_GRID_Y = 65535
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeGemmSm90Config:
+    """One compiled variant of the grouped expert GEMM.
+
+    block_n: token rows per tile (the WGMMA N; a multiple of 8, at most 128 gated / 256).
+    num_stages: depth of the cp.async pipeline of raw weight bytes + token rows.
+    """
+    block_n: int = 8
+    num_stages: int = 8
+
+    def smem_bytes(self, weight_format: str, gated: bool) -> int:
+        mats = 2 if gated else 1
+        raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4
+        x_tile = self.block_n * BLOCK_K * 2
+        dequant = 2 * mats * BLOCK_M * BLOCK_K * 2        # double-buffered bf16 A tiles
+        return self.num_stages * (raw + x_tile) + dequant + 2048
+
+    def is_supported(self, *, weight_format: str, gated: bool, n_out: int, k_in: int,
+                     x_dtype: str, num_tiles: int) -> tuple[bool, str]:
+        """``(True, "")`` when the kernel handles these shapes, else ``(False, reason)``."""
+        if weight_format not in WEIGHT_FORMATS:
+            return False, f"weight format {weight_format!r} (one of {WEIGHT_FORMATS})"
+        if x_dtype != "bfloat16":
+            return False, f"activation dtype {x_dtype} (the kernel is bf16 only)"
+        if self.block_n % 8 or not 8 <= self.block_n <= (128 if gated else 256):
+            return False, f"block_n {self.block_n} (a multiple of 8, <= {128 if gated else 256})"
+        if n_out % BLOCK_M:
+            return False, f"output features {n_out} (the kernel needs a multiple of {BLOCK_M})"
+        if k_in % BLOCK_K:
+            return False, f"input features {k_in} (the kernel needs a multiple of {BLOCK_K})"
+        if weight_format == "fp8" and (k_in // 128) % 4:
+            return False, f"input features {k_in} (FP8 scale rows must be a multiple of 4 bytes)"
+        if self.smem_bytes(weight_format, gated) > SMEM_BYTES:
+            return False, f"config {self} needs {self.smem_bytes(weight_format, gated)} B smem"
+        if num_tiles > MAX_GRID_Y:
+            return False, f"{num_tiles} row tiles (the grid takes at most {MAX_GRID_Y})"
+        return True, ""
+
+
+DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=8)
+PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
+
+
+def choose_config(num_rows: int, num_experts: int, weight_format: str) -> MoeGemmSm90Config:
+    """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles;
+    BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles. Then as many pipeline
+    stages as fit in shared memory for the gated launch (the larger of the two)."""
+    config = DECODE_CONFIG if num_rows <= 4 * num_experts else PREFILL_CONFIG
+    if weight_format == "bf16" and config.block_n > 64:
+        config = dataclasses.replace(config, block_n=64)
+    while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
+
+
+def num_tile_slots(num_rows: int, num_experts: int, block_n: int) -> int:
+    """Static worst case of row tiles: every expert may leave one partial tile."""
+    return -(-num_rows // block_n) + min(num_experts, num_rows)
