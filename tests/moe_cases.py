@@ -65,8 +65,10 @@ def case_names():
                 yield fmt, sim, t, f"{fmt}_sim{int(sim)}_t{t}"
 
 
-def model_outputs(routed_experts) -> dict:
-    """``routed_experts(x, route_w, route_idx, params, cfg)`` (the model's function) per case."""
+def model_outputs(routed_experts, jit: bool = False) -> dict:
+    """``routed_experts(x, route_w, route_idx, params, cfg)`` (the model's function) per case,
+    eagerly (as the golden file was written) or jitted."""
+    import jax
     import jax.numpy as jnp
     outs = {}
     for fmt, sim, t, name in case_names():
@@ -75,7 +77,9 @@ def model_outputs(routed_experts) -> dict:
         params = {n: (jnp.asarray(a), None if s is None else jnp.asarray(s))
                   for n, (a, s) in expert_weights(fmt).items()}
         xj = jnp.asarray(x).astype(jnp.dtype(cfg.dtype))
-        outs[name] = np.asarray(routed_experts(xj, jnp.asarray(w), jnp.asarray(idx), params, cfg))
+        f = lambda *a, cfg=cfg: routed_experts(*a, cfg)
+        outs[name] = np.asarray((jax.jit(f) if jit else f)(xj, jnp.asarray(w), jnp.asarray(idx),
+                                                           params))
     return outs
 
 
