@@ -1,0 +1,61 @@
+"""The model's jitted decode and prefill steps, lowered for CUDA on this CPU machine, contain the
+routed-experts kernel's custom call (the Hopper MoE GEMM), and lose it when the MoE op is
+forced to its XLA reference -- the MoE op is wired into the model, not just into unit tests."""
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import dsv4_jax as dj
+from dsv4_jax.ffi import dispatch, moe as moe_op
+from dsv4_jax.params import abstract_params
+
+CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
+MOE_KERNEL = "MoeGemmSm90"      # the kernel class of kernels/moe_sm90.py, named in its ELF
+BATCH = 2
+
+
+def _config(expert_dtype):
+    if expert_dtype == "fp4":
+        return dj.Config.tiny(quantized=True)
+    # The FP8 kernel needs input features that are multiples of 512 (4-byte scale rows).
+    return dj.Config.tiny(quantized=True, expert_dtype="fp8", dim=512, moe_inter_dim=512)
+
+
+def _lower(cfg, tokens, platform="cuda"):
+    model = dj.DSV4(cfg, runtime_checks=False)
+    params = abstract_params(cfg)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, BATCH, 256))
+    tok = jax.ShapeDtypeStruct((BATCH, tokens), jnp.int32)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
+                   donate_argnums=(2,))
+    with dispatch.cuda_target():
+        return step.trace(params, tok, cache).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _kernel_supports(cfg, tokens):
+    """What the op asks the kernel for this model's MoE rows (so a changed limit fails here)."""
+    p = abstract_params(cfg)["layers_2"]["ffn"]["experts"]
+    rows = jax.ShapeDtypeStruct((BATCH * tokens * cfg.n_activated_experts, cfg.dim),
+                                jnp.bfloat16)
+    pairs = [(p[n]["weight"], p[n]["scale"]) for n in ("w1", "w3", "w2")]
+    return moe_op.kernel_support(rows, *pairs)
+
+
+@pytest.mark.parametrize("expert_dtype, tokens", [("fp4", 1), ("fp4", 16), ("fp8", 1)],
+                         ids=["fp4-decode", "fp4-prefill", "fp8-decode"])
+def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens):
+    cfg = _config(expert_dtype)
+    ok, why = _kernel_supports(cfg, tokens)
+    assert ok, f"the MoE kernel no longer supports the test config: {why}"
+    # Sparse attention on its reference: every custom call left is the MoE's.
+    monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
+    text = _lower(cfg, tokens)
+    assert CUSTOM_CALL in text and MOE_KERNEL in text
+    monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla,moe=xla")
+    assert CUSTOM_CALL not in _lower(cfg, tokens)
+
+
+def test_model_step_lowered_for_cpu_has_no_kernel(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    assert CUSTOM_CALL not in _lower(_config("fp4"), 1, platform="cpu")
