@@ -115,7 +115,8 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
     (y,) = cute_call(kernel.moe_gemm_launcher, (out,), xs, tile_expert, tile_row0,
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
-                     block_n=config.block_n, num_stages=config.num_stages)
+                     block_n=config.block_n, num_stages=config.num_stages,
+                     ablation=config.ablation)
     return y
 
 

@@ -21,13 +21,17 @@ Dataflow (256 threads: a producer warpgroup WG0 and a math warpgroup WG1):
 1. WG0 issues ``cp.async`` for each K block of 128: the raw weight bytes of the tile's 64
    rows (per matrix), their scale bytes (4 B), and the ``block_n`` token rows (bf16) into a
    128B-swizzled K-major tile; ``num_stages`` stages form an mbarrier pipeline.
-2. WG1 waits for a stage, converts the raw bytes to BF16 (FP4: byte permutes and shifts
-   build the bf16 bits, one bf16x2 multiply by 2^126 and one by the E8M0 scale; FP8 the
-   same with 2^120 -- both exact) into a double-buffered, swizzled A tile, and
-   issues the WGMMAs (f32 accumulators) for that stage asynchronously, so the conversion of
-   stage j + 1 overlaps the tensor-core work of stage j.
+2. WG1 waits for a stage and converts the raw bytes to BF16 into a double-buffered,
+   swizzled A tile: FP4 codes look their bf16 bytes up with byte permutes and are
+   multiplied by the E8M0 scale; FP8 codes are shifted into bf16 bits times 2^-120 and
+   multiplied back and by the scale -- both exact. It then issues the WGMMAs for that stage
+   (f32 accumulators) asynchronously, so the conversion of stage j + 1 overlaps the
+   tensor-core work of stage j.
 3. Epilogue: bf16 outputs (SwiGLU and routing weight when gated), rows past the tile's row
    count are not written.
+
+Measured (H200, docs/performance.md): the conversion in the one math warpgroup bounds the
+decode launches (removing it halves their time; removing the loads changes nothing).
 
 Constraints: sm_90a; x bf16 [A, K]; K a multiple of 128; output features a multiple of 64;
 FP8 needs (K / 128) % 4 == 0 (4-byte scale copies); tile row starts and counts from
@@ -52,7 +56,6 @@ from .moe_sm90_support import (BLOCK_K, BLOCK_M, ROW_BYTES, DECODE_CONFIG,  # no
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
 REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
-BF16_2POW126 = 0x7E80         # bf16 bits of 2^126
 BF16_2POW120 = 0x7B80         # bf16 bits of 2^120
 LOG2_E = 1.4426950408889634
 
@@ -75,27 +78,35 @@ def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=N
 def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
     """Eight packed e2m1 codes (low nibble first) -> four bf16x2 words, times ``multiplier``.
 
-    Each pair (n_2p, n_2p+1) is permuted into bits 0-3 of the two halves of a word; the bf16
-    bits are then ``sign << 15 | magnitude << 6``: the 2-bit exponent lands in the two lowest
-    bf16 exponent bits and the mantissa bit in the top mantissa bit, i.e. the code's value
-    times 2^-126 (0.5 becomes the subnormal 2^-127). One bf16x2 multiply by 2^126 restores it
-    (exact) and one by ``multiplier`` (a bf16x2 power of two: the block scale) scales it.
+    Byte permutes as 8-entry lookup tables: with the magnitude bits of four codes as the
+    selector, one ``prmt`` gives the four high bytes and one the four low bytes of the bf16
+    magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6); a third ``prmt`` in sign-replicate mode over
+    0x80 bytes marks the negative codes (0xFF, else 0x80: bit 6 is the sign), which one
+    ``lop3`` moves to bit 7 of the high bytes. Two permutes interleave low and high bytes
+    into bf16x2 words and one bf16x2 multiply applies the power-of-two block scale (exact).
     """
     text = (
         "{\n"
-        ".reg .b32 hi, p, s, m, k;\n"
-        f"mov.b32 k, {BF16_2POW126 * 0x10001:#010x};\n"
-        "shr.u32 hi, $4, 4;\n"
+        ".reg .b32 m, w, ha, hb, la, lb, c8, h, l, p;\n"
+        "mov.b32 ha, 0x3F3F3F00;\n"
+        "mov.b32 hb, 0x40404040;\n"
+        "mov.b32 la, 0xC0800000;\n"
+        "mov.b32 lb, 0xC0804000;\n"
+        "mov.b32 c8, 0x80808080;\n"
+        "and.b32 m, $4, 0x77777777;\n"
+        "mov.b32 w, $4;\n"
         + "".join(
-            f"prmt.b32 p, $4, hi, {0x0400 + 0x0101 * i:#06x};\n"
-            "shl.b32 s, p, 12;\n"
-            "shl.b32 m, p, 6;\n"
-            "and.b32 s, s, 0x80008000;\n"
-            "and.b32 m, m, 0x01C001C0;\n"
-            f"or.b32 ${i}, s, m;\n"
-            f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
-            f"mul.rn.bf16x2 ${i}, ${i}, $5;\n"
-            for i in range(4))
+            ("" if i == 0 else "shr.u32 m, m, 16;\nshr.u32 w, w, 16;\n")
+            + "prmt.b32 h, ha, hb, m;\n"
+            "prmt.b32 l, la, lb, m;\n"
+            "prmt.b32 p, c8, c8, w;\n"
+            "shl.b32 p, p, 1;\n"
+            "lop3.b32 h, h, p, c8, 0xF8;\n"              # h | (p & c8)
+            f"prmt.b32 ${2 * i}, l, h, 0x5140;\n"
+            f"prmt.b32 ${2 * i + 1}, l, h, 0x7362;\n"
+            f"mul.rn.bf16x2 ${2 * i}, ${2 * i}, $5;\n"
+            f"mul.rn.bf16x2 ${2 * i + 1}, ${2 * i + 1}, $5;\n"
+            for i in range(2))
         + "}")
     res = _asm(4, [word, multiplier], text, "=r,=r,=r,=r,r,r", loc, ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
@@ -143,6 +154,7 @@ class MoeGemmSm90:
         self.swiglu_limit = float(swiglu_limit)
         self.block_n = config.block_n
         self.num_stages = config.num_stages
+        self.ablation = config.ablation
         self.row_bytes = ROW_BYTES[weight_format]
         self.dtype = cutlass.BFloat16
 
@@ -241,6 +253,9 @@ class MoeGemmSm90:
         for kb in cutlass.range(num_k, unroll=1):
             pipe.producer_acquire(state)
             stage = state.index
+            issue = True
+            if const_expr(self.ablation == "no_load"):
+                issue = kb < self.num_stages
             for mat in cutlass.range_constexpr(self.mats):
                 w_base = (mWa if mat == 0 else mWb).iterator.toint()
                 s_base = (mSa if mat == 0 else mSb).iterator.toint()
@@ -252,7 +267,8 @@ class MoeGemmSm90:
                            + (kb * self.row_bytes + c * 16).to(Int64))
                     dst = raw + (stage * raw_stage + (mat * BLOCK_M + r) * self.row_bytes
                                  + c * 16)
-                    self.copy_bytes(atom16, 16, src, dst)
+                    if issue:
+                        self.copy_bytes(atom16, 16, src, dst)
                 # Scale bytes: 4 per row (FP4: K/32 per row, four per K block); FP8: the
                 # aligned 4 bytes holding this K block's byte of the row block's scale row.
                 if const_expr(self.weight_format == "fp4"):
@@ -322,17 +338,18 @@ class MoeGemmSm90:
         for kb in cutlass.range(num_k, unroll=1):
             pipe.consumer_wait(state)
             parity = kb % 2
-            for mat in cutlass.range_constexpr(self.mats):
-                self.dequant(raw, scales, state.index, mat, kb, wg_tidx,
-                             sA_vec, mat * 2 + parity)
+            if const_expr(self.ablation != "no_dequant"):
+                for mat in cutlass.range_constexpr(self.mats):
+                    self.dequant(raw, scales, state.index, mat, kb, wg_tidx,
+                                 sA_vec, mat * 2 + parity)
             # Ordinary smem stores (A) and cp.async stores (B) are read by the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DEQUANT_BARRIER, number_of_threads=128)
             cute.nvgpu.warpgroup.fence()
-            for kk in cutlass.range_constexpr(num_kk):
+            for kk in cutlass.range_constexpr(num_kk if self.ablation != "no_mma" else 0):
                 cute.gemm(tiled_mma, acc_a, tCrA[None, None, kk, parity],
                           tCrB[None, None, kk, state.index], acc_a)
-            if const_expr(self.gated):
+            if const_expr(self.gated and self.ablation != "no_mma"):
                 for kk in cutlass.range_constexpr(num_kk):
                     cute.gemm(tiled_mma, acc_b, tCrA[None, None, kk, 2 + parity],
                               tCrB[None, None, kk, state.index], acc_b)
@@ -446,10 +463,10 @@ def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.T
                       route_w: cute.Tensor, out: cute.Tensor, *,
                       weight_format: cutlass.Constexpr, gated: cutlass.Constexpr,
                       swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
-                      num_stages: cutlass.Constexpr):
+                      num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = ""):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
     MoeGemmSm90(weight_format, gated, swiglu_limit,
-                MoeGemmSm90Config(block_n, num_stages))(
+                MoeGemmSm90Config(block_n, num_stages, ablation))(
         x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
 
 

@@ -24,6 +24,10 @@ class MoeGemmSm90Config:
     """
     block_n: int = 8
     num_stages: int = 8
+    # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
+    # weight bytes fetched only for the first stages, "no_dequant", "no_mma"); their
+    # outputs are wrong by design.
+    ablation: str = ""
 
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
         mats = 2 if gated else 1
@@ -54,7 +58,7 @@ class MoeGemmSm90Config:
         return True, ""
 
 
-DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=8)
+DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
 PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
 
 
