@@ -49,14 +49,13 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from .moe_sm90_support import (BLOCK_K, BLOCK_M, ROW_BYTES, DECODE_CONFIG,  # noqa: F401
-                               PREFILL_CONFIG, MoeGemmSm90Config, choose_config,
-                               num_tile_slots)
+from .moe_sm90_support import (BF16_2POW120, BLOCK_K, BLOCK_M, DECODE_CONFIG,  # noqa: F401
+                               FP4_BF16_HI, FP4_BF16_LO, PREFILL_CONFIG, ROW_BYTES,
+                               MoeGemmSm90Config, choose_config, num_tile_slots)
 
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
 REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
-BF16_2POW120 = 0x7B80         # bf16 bits of 2^120
 LOG2_E = 1.4426950408889634
 
 
@@ -88,10 +87,10 @@ def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
     text = (
         "{\n"
         ".reg .b32 m, w, ha, hb, la, lb, c8, h, l, p;\n"
-        "mov.b32 ha, 0x3F3F3F00;\n"
-        "mov.b32 hb, 0x40404040;\n"
-        "mov.b32 la, 0xC0800000;\n"
-        "mov.b32 lb, 0xC0804000;\n"
+        f"mov.b32 ha, {FP4_BF16_HI[0]:#010x};\n"
+        f"mov.b32 hb, {FP4_BF16_HI[1]:#010x};\n"
+        f"mov.b32 la, {FP4_BF16_LO[0]:#010x};\n"
+        f"mov.b32 lb, {FP4_BF16_LO[1]:#010x};\n"
         "mov.b32 c8, 0x80808080;\n"
         "and.b32 m, $4, 0x77777777;\n"
         "mov.b32 w, $4;\n"

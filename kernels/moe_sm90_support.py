@@ -13,6 +13,13 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
+# FP4 -> bf16 byte lookup tables for ``prmt`` (bytes 0-3 in the first word, 4-7 in the
+# second): high and low bytes of the bf16 values of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3,
+# 4, 6 (e.g. 1.5 = 0x3FC0). tests/test_kernels_moe_sm90.py replays the permutes on all codes.
+FP4_BF16_HI = (0x3F3F3F00, 0x40404040)
+FP4_BF16_LO = (0xC0800000, 0xC0804000)
+# FP8 -> bf16: e4m3 bits << 4 are a bf16 with value x 2^-120; bf16 bits of 2^120.
+BF16_2POW120 = 0x7B80
 
 
 @dataclasses.dataclass(frozen=True)
