@@ -1,0 +1,328 @@
+"""Model-level speed at real DSV4-Flash dims on one GPU: decode step and prefill chunk, per layer.
+
+    python benchmarks/decode_step.py                        # decode + prefill, default selection
+    python benchmarks/decode_step.py --decode --batches 8 --impls auto
+    python benchmarks/decode_step.py --prefill --chunks 2048,4096 --no-profile
+    python benchmarks/decode_step.py --tiny                 # dry run of every code path (CPU)
+
+Reduced stacks of real layers (``Config.flash(quantized=True)`` with ``--layers`` layers, no MTP
+block): weights in checkpoint precision (FP8 + E8M0, packed FP4 experts) generated on the
+device. With the default ``--layers 2,6`` the small stack is the two SWA-only layers and the
+big one adds two CSA and two HCA layers, so per layer = (t_6 - t_2) / 4 is the cost of an
+average compressed-attention layer (attention + MoE), embedding/head excluded.
+
+Decode: the cache holds ``--ctx`` tokens per row (its lengths set directly; the entries are
+zeros, which costs the same as real ones), one token per row per step, ``--steps`` timed steps
+(median) after two warm-up steps. Prefill: one chunk of ``C`` tokens (batch 1) into an empty
+cache; tokens/s per layer = C / ((t_big - t_small) / (L_big - L_small)).
+
+``--impls``: values of ``DSV4_IMPLEMENTATION`` compared in the same run -- ``auto`` (the CuTe
+kernels where they apply), ``moe=xla`` (the MoE on its XLA reference, attention kernel kept:
+the pre-kernel model), ``xla`` (every op on its reference). The per-kernel breakdown profiles one
+step of the big stack per impl (``jax.profiler``) and lists the top device ops by total time.
+Tables go to stdout and, with ``--out``, to a markdown file.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import dsv4_jax as dj  # first: XLA flags
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.ffi import dispatch
+from dsv4_jax.params import abstract_params
+
+
+def gib(n) -> float:
+    return n / 2 ** 30
+
+
+def stack_config(base: dj.Config, layers: int) -> dj.Config:
+    return base.replace(n_layers=layers, n_mtp_layers=0,
+                        compress_ratios=base.compress_ratios[:layers])
+
+
+def device_params(cfg: dj.Config):
+    """Parameters generated on the default device, leaf by leaf (no host copy)."""
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: dev, abstract_params(cfg))
+    return dj.init_params(cfg, 0, shardings=shardings)
+
+
+def sub_stack(params: dict, layers: int) -> dict:
+    """The first ``layers`` layers of a bigger stack's parameters (same arrays, no copy)."""
+    return {k: v for k, v in params.items()
+            if not k.startswith("layers_") or int(k.split("_")[1]) < layers}
+
+
+def set_impl(value: str):
+    """Select the implementations for functions traced from now on."""
+    if value == "auto":
+        os.environ.pop(dispatch.ENV_VAR, None)
+    else:
+        os.environ[dispatch.ENV_VAR] = value
+
+
+def make_step(cfg):
+    model = dj.DSV4(cfg, runtime_checks=False)
+    # A new jitted function per (config, impl): the env var is read when it is traced.
+    return jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
+                   donate_argnums=(2,))
+
+
+def filled_cache(cfg, batch, ctx, max_len):
+    cache = dj.Cache.init(cfg, batch, max_len)
+    return cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
+
+
+def time_decode(cfg, params, batch, ctx, steps):
+    """Median seconds of one decode step at ``ctx`` tokens (the cache advances each step)."""
+    step = make_step(cfg)
+    cache = filled_cache(cfg, batch, ctx, ctx + steps + 8)
+    tok = jnp.full((batch, 1), 5, jnp.int32)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, tok, cache).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        logits, cache = compiled(params, tok, cache)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+        jax.block_until_ready(tok)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    finite = bool(jnp.all(jnp.isfinite(logits)))
+    return statistics.median(times), compile_s, finite, (compiled, params, tok, cache)
+
+
+def time_prefill(cfg, params, chunk, runs):
+    """Median seconds of one ``chunk``-token prefill (batch 1) into an empty cache."""
+    step = make_step(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (1, chunk), 2, cfg.vocab_size, jnp.int32)
+    empty = dj.Cache.init(cfg, 1, chunk)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, tokens, empty).compile()
+    compile_s = time.perf_counter() - t0
+    times = []
+    for i in range(runs + 1):
+        cache = dj.Cache.init(cfg, 1, chunk)       # donated: a fresh one per call
+        jax.block_until_ready(cache)
+        t0 = time.perf_counter()
+        logits, _ = compiled(params, tokens, cache)
+        jax.block_until_ready(logits)
+        if i >= 1:
+            times.append(time.perf_counter() - t0)
+    finite = bool(jnp.all(jnp.isfinite(logits)))
+    fresh = dj.Cache.init(cfg, 1, chunk)
+    return statistics.median(times), compile_s, finite, (compiled, params, tokens, fresh)
+
+
+# ----------------------------------------------------------------------------- profile
+def profile_ops(run_once, top: int = 15):
+    """Trace ``run_once()`` with the JAX profiler; top device ops by total time.
+
+    Returns ``(rows [(name, total us, count)], total us of device ops)`` from the Perfetto
+    trace (``*.trace.json.gz``) the profiler writes: complete events of the GPU streams (or,
+    on a CPU-only run, of the XLA CPU threads).
+    """
+    log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
+    run_once()                                       # warm: nothing compiles in the trace
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        run_once()
+    files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+        return [], 0.0
+    with gzip.open(files[0]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
+    pids = gpu or {pid for pid, n in names.items() if "/host:CPU" in n}
+    totals, counts = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
+            if not gpu and not e.get("args", {}).get("hlo_op"):
+                continue                            # CPU run: XLA ops only, not Python
+            totals[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+    total = sum(totals.values())
+    return [(n, us, counts[n]) for n, us in totals.most_common(top)], total
+
+
+def profile_table(title, rows, total, step_s):
+    lines = [f"**{title}** -- device ops {total / 1e3:.2f} ms per traced step "
+             f"(wall step {step_s * 1e3:.2f} ms)", "",
+             "| # | op | total (us) | calls | % of step |", "|---|---|---|---|---|"]
+    for i, (name, us, n) in enumerate(rows, 1):
+        short = name if len(name) <= 80 else name[:77] + "..."
+        lines.append(f"| {i} | `{short}` | {us:.0f} | {n} | {100 * us / max(total, 1e-9):.1f}% |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- sections
+def run_decode(args, base, params_big, out):
+    small, big = args.layers
+    lines = [f"### Decode, ctx {args.ctx}, per layer = (t_{big} - t_{small}) / {big - small}",
+             "", "| impl | batch | step L=%d (ms) | step L=%d (ms) | per layer (ms) | "
+             "tokens/s (L=%d) | finite |" % (small, big, big), "|---|---|---|---|---|---|---|"]
+    keep = {}
+    for impl in args.impls:
+        set_impl(impl)
+        for batch in args.batches:
+            t = {}
+            for layers in (small, big):
+                cfg = stack_config(base, layers)
+                med, comp, finite, state = time_decode(cfg, sub_stack(params_big, layers),
+                                                       batch, args.ctx, args.steps)
+                t[layers] = med
+                print(f"decode {impl} batch={batch} L={layers}: {med * 1e3:.2f} ms "
+                      f"(compile {comp:.0f} s, finite {finite})", flush=True)
+                if layers == big and batch == args.profile_batch:
+                    keep[impl] = state
+                del state
+            per = (t[big] - t[small]) / (big - small)
+            lines.append(f"| {impl} | {batch} | {t[small] * 1e3:.2f} | {t[big] * 1e3:.2f} | "
+                         f"{per * 1e3:.3f} | {batch / t[big]:.1f} | {finite} |")
+    out.append("\n".join(lines))
+    print(out[-1], flush=True)
+    if not args.no_profile:
+        for impl, (compiled, params, tok, cache) in keep.items():
+            state = {"cache": cache}
+
+            def once():
+                logits, state["cache"] = compiled(params, tok, state["cache"])
+                jax.block_until_ready(logits)
+            t0 = time.perf_counter()
+            once()
+            step_s = time.perf_counter() - t0
+            rows, total = profile_ops(once)
+            out.append(profile_table(f"decode step, {impl}, batch {args.profile_batch}, "
+                                     f"L={big}", rows, total, step_s))
+            print(out[-1], flush=True)
+
+
+def run_prefill(args, base, params_big, out):
+    small, big = args.layers
+    lines = [f"### Prefill, batch 1, one chunk into an empty cache, per layer = "
+             f"(t_{big} - t_{small}) / {big - small}", "",
+             "| impl | chunk | L=%d (ms) | L=%d (ms) | per layer (ms) | tokens/s per layer | "
+             "tokens/s (L=%d) |" % (small, big, big), "|---|---|---|---|---|---|---|"]
+    keep = {}
+    for impl in args.impls:
+        set_impl(impl)
+        for chunk in args.chunks:
+            if impl != "auto" and chunk > args.xla_max_chunk:
+                lines.append(f"| {impl} | {chunk} | skip | skip | | | |")
+                continue
+            t = {}
+            try:
+                for layers in (small, big):
+                    cfg = stack_config(base, layers)
+                    med, comp, finite, state = time_prefill(cfg, sub_stack(params_big, layers),
+                                                            chunk, args.prefill_runs)
+                    t[layers] = med
+                    print(f"prefill {impl} chunk={chunk} L={layers}: {med * 1e3:.1f} ms "
+                          f"(compile {comp:.0f} s, finite {finite})", flush=True)
+                    if layers == big and chunk == args.profile_chunk:
+                        keep[impl] = state
+                    del state
+            except Exception as err:                 # XLA's MoE at long chunks: say so
+                if "RESOURCE_EXHAUSTED" not in str(err) and "memory" not in str(err).lower():
+                    raise
+                lines.append(f"| {impl} | {chunk} | oom | oom | | | |")
+                continue
+            per = (t[big] - t[small]) / (big - small)
+            lines.append(f"| {impl} | {chunk} | {t[small] * 1e3:.1f} | {t[big] * 1e3:.1f} | "
+                         f"{per * 1e3:.2f} | {chunk / per:.0f} | {chunk / t[big]:.0f} |")
+    out.append("\n".join(lines))
+    print(out[-1], flush=True)
+    if not args.no_profile:
+        for impl, (compiled, params, tokens, cache) in keep.items():
+            def once():
+                fresh = jax.tree.map(jnp.copy, cache)          # donated each call
+                logits, _ = compiled(params, tokens, fresh)
+                jax.block_until_ready(logits)
+            t0 = time.perf_counter()
+            once()
+            step_s = time.perf_counter() - t0
+            rows, total = profile_ops(once)
+            out.append(profile_table(f"prefill chunk {args.profile_chunk}, {impl}, L={big}",
+                                     rows, total, step_s))
+            print(out[-1], flush=True)
+
+
+def parse_args(argv=None):
+    ints = lambda s: [int(x) for x in s.split(",")]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--decode", action="store_true", help="decode section (default: both)")
+    p.add_argument("--prefill", action="store_true", help="prefill section (default: both)")
+    p.add_argument("--layers", type=ints, default=[2, 6], help="small,big stack sizes")
+    p.add_argument("--batches", type=ints, default=[1, 8, 64])
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=10, help="timed decode steps")
+    p.add_argument("--chunks", type=ints, default=[512, 2048, 4096, 16384])
+    p.add_argument("--prefill-runs", type=int, default=3)
+    p.add_argument("--xla-max-chunk", type=int, default=2048,
+                   help="longest prefill chunk run with a non-auto impl (XLA's MoE runs out "
+                        "of memory beyond)")
+    p.add_argument("--impls", default="auto,moe=xla",
+                   help="DSV4_IMPLEMENTATION values to compare (auto = the kernels)")
+    p.add_argument("--profile-batch", type=int, default=8)
+    p.add_argument("--profile-chunk", type=int, default=4096)
+    p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="Config.tiny, small sizes (CPU dry run)")
+    p.add_argument("--out", help="write the tables to this markdown file")
+    a = p.parse_args(argv)
+    if not a.decode and not a.prefill:
+        a.decode = a.prefill = True
+    a.impls = a.impls.split(",")
+    if a.tiny:
+        a.ctx, a.steps, a.batches = min(a.ctx, 256), min(a.steps, 3), [1, 2]
+        a.chunks, a.profile_batch, a.profile_chunk = [16, 64], 2, 64
+        a.prefill_runs, a.layers = 1, [2, 4]
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dev = jax.devices()[0]
+    base = dj.Config.tiny(quantized=True) if args.tiny else dj.Config.flash(quantized=True)
+    small, big = args.layers
+    header = (f"decode_step, {datetime.date.today()}, {dev.device_kind}, jax {jax.__version__}, "
+              f"{'tiny' if args.tiny else 'Flash'} layers {small}/{big}, "
+              f"`python {' '.join(sys.argv)}`")
+    print("# " + header, flush=True)
+    t0 = time.perf_counter()
+    params = device_params(stack_config(base, big))
+    jax.block_until_ready(params)
+    stats = dev.memory_stats() or {}
+    print(f"params generated in {time.perf_counter() - t0:.1f} s, "
+          f"{gib(stats.get('bytes_in_use', 0)):.1f} GiB in use", flush=True)
+    out = []
+    if args.decode:
+        run_decode(args, base, params, out)
+    if args.prefill:
+        run_prefill(args, base, params, out)
+    stats = dev.memory_stats() or {}
+    out.append(f"peak device memory {gib(stats.get('peak_bytes_in_use', 0)):.1f} GiB")
+    text = "\n\n".join(out)
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"{header}\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
