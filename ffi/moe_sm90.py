@@ -31,6 +31,9 @@ __all__ = ["expert_rows_sm90", "sm90_support", "moe_schedule", "weight_format",
 def weight_format(weight, scale) -> str | None:
     """``"fp4"`` / ``"fp8"`` / ``"bf16"`` for a stacked expert weight, or None (unsupported)."""
     dt = jnp.dtype(weight.dtype)
+    if scale is not None and jnp.dtype(scale.dtype) not in (jnp.dtype(jnp.uint8),
+                                                           jnp.dtype(quant.E8M0_DTYPE)):
+        return None      # the kernel reads E8M0 exponent bytes (f32 scales: the reference)
     if scale is not None and dt in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)):
         return "fp4"
     if scale is not None and dt == jnp.dtype(jnp.float8_e4m3fn):

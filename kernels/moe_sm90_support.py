@@ -56,6 +56,8 @@ class MoeGemmSm90Config:
             return False, f"output features {n_out} (the kernel needs a multiple of {BLOCK_M})"
         if k_in % BLOCK_K:
             return False, f"input features {k_in} (the kernel needs a multiple of {BLOCK_K})"
+        if weight_format == "fp8" and n_out % 128:
+            return False, f"output features {n_out} (FP8 scale blocks need a multiple of 128)"
         if weight_format == "fp8" and (k_in // 128) % 4:
             return False, f"input features {k_in} (FP8 scale rows must be a multiple of 4 bytes)"
         if self.smem_bytes(weight_format, gated) > SMEM_BYTES:
