@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
+from .moe_sm90 import expert_rows_sm90, sm90_support
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
            "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
@@ -267,12 +268,6 @@ def moe_experts_reference(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, qu
 # ----------------------------------------------------------------------------- dispatch
 def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:
     """Whether the Hopper kernel handles these arguments: ``(ok, reason)``; imports no cutlass."""
-    try:
-        from .moe_sm90 import sm90_support
-    except ModuleNotFoundError as e:   # the kernel module is optional; its own bugs are not
-        if e.name != f"{__package__}.moe_sm90":
-            raise
-        return False, "no Hopper MoE kernel in this build (ffi/moe_sm90.py is missing)"
     return sm90_support(xa, w1, w3, w2)
 
 
@@ -294,7 +289,6 @@ def moe_expert_rows(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate
                                   quantized=quantized, simulate=simulate)
     if choice == "xla":
         return reference(xa, ea, wa, w1, w3, w2)
-    from .moe_sm90 import expert_rows_sm90
     # The kernel must drop ids outside [0, E) itself: expert parallelism sends id -1 for its
     # empty capacity slots, and clamping them would make it compute expert 0 for every one.
     cute = functools.partial(expert_rows_sm90, swiglu_limit=float(swiglu_limit),
