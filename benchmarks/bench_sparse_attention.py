@@ -136,7 +136,7 @@ def main(argv=None):
                                      for t in a.tokens.split(",") for c in configs]:
         want = ((a.ablations == "all" or cname in a.ablations.split(","))
                 and (name, t) in (("pro", 64), ("flash", 128)))
-        from dsv4_jax.kernels.sparse_attention_sm90 import SparseAttentionSm90
+        from dsv4_jax.kernels.sparse_attention_sm90_kernel import SparseAttentionSm90
         abl_names = [x for x in SparseAttentionSm90.ABLATIONS if x] if want else []
         xla = not a.no_xla and config == configs[0][1]
         row, abl = bench_one(name, t, abl_names, seed=t, config=config, xla=xla)

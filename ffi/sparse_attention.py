@@ -137,7 +137,7 @@ def kernel_support(q, kv, idx, extra_kv, extra_idx, scale) -> tuple[bool, str]:
         float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError):
         return False, "a traced scale (the kernel bakes scale in; pass a Python float)"
-    from dsv4_jax.kernels.sparse_attention_sm90_support import is_supported
+    from dsv4_jax.kernels.sparse_attention_sm90 import is_supported
     return is_supported(
         dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[-1], num_heads=q.shape[1],
         num_tokens=q.shape[0], window_slots=idx.shape[1], pool_rows=kv.shape[0],
@@ -157,7 +157,7 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
     ``ablation`` selects a variant that leaves one stage out (wrong outputs, timing only).
     """
     from .cute_call import cute_call   # first: pins CUTE_DSL_ARCH before cutlass loads
-    from dsv4_jax.kernels import sparse_attention_sm90 as kernel
+    from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel
 
     t, h, d = q.shape
     has_extra = extra_kv is not None

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi import dispatch, sparse_attention
-from dsv4_jax.kernels import sparse_attention_sm90_support as support
+from dsv4_jax.kernels import sparse_attention_sm90 as support
 
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
-from dsv4_jax.kernels import sparse_attention_sm90 as kernel  # noqa: E402
+from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel  # noqa: E402
 
 SCALE = 512 ** -0.5
 S = jax.ShapeDtypeStruct
