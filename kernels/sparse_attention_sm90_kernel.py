@@ -39,8 +39,9 @@ Constraints:
 * num_heads a multiple of 64 (64 heads per CTA; H=128 runs two CTAs per token, which read the
   same entries, the second mostly from L2).
 * K >= 1 window slots; K2 >= 0 extra slots; pools of at least one row each; int32 indices.
-* (block_n, num_stages, qk_split) in ``CONFIGS``: the stages, Q and (split) the 2 x 64 x
-  block_n fp32 score exchange fit in 227 KB of smem; split QK^T needs head_dim / 16 even.
+* (block_n, num_stages, qk_split) in ``sparse_attention_sm90.CONFIGS``: the stages, Q and
+  (split) the 2 x 64 x block_n fp32 score exchange fit in 227 KB of smem; split QK^T needs
+  head_dim / 16 even.
 * Any number of tokens T <= 65535; the entry list is processed in blocks (tail masked).
 """
 from __future__ import annotations
@@ -56,9 +57,8 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from .sparse_attention_sm90_combine import SplitCombine
-from .sparse_attention_sm90 import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM,  # noqa: F401
-                                            SMEM_BYTES, choose_num_splits, flops,
-                                            is_supported, normalize_config, smem_bytes)
+from .sparse_attention_sm90 import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
+                                    SparseAttentionSm90Config)
 
 NUM_THREADS = 384               # producer warpgroup + two math warpgroups
 PRODUCER_REGS, MATH_REGS = 72, 216
@@ -87,17 +87,12 @@ def cp_async_arrive(mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
 class SparseAttentionSm90(SplitCombine):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
-    # Benchmark-only variants that leave one stage out, to see where the time goes; their
-    # outputs are wrong by design.
-    ABLATIONS = ("", "no_gather", "no_qk", "no_softmax", "no_pv")
-
     def __init__(self, num_heads: int, softmax_scale: float, num_splits: int = 1,
                  has_extra: bool = True, ablation: str = "", block_n: int = 64,
                  num_stages: int = 2, qk_split: bool = False):
-        if ablation not in self.ABLATIONS:
-            raise ValueError(f"ablation must be one of {self.ABLATIONS}, got {ablation!r}")
-        normalize_config((block_n, num_stages, qk_split))
-        assert smem_bytes(block_n, num_stages, qk_split) <= SMEM_BYTES
+        # raises ValueError for a configuration (or ablation) the kernel does not offer
+        config = SparseAttentionSm90Config(block_n, num_stages, qk_split, ablation)
+        assert config.smem_bytes() <= SMEM_BYTES
         self.qk_split = qk_split
         self.ablation = ablation
         self.num_heads = num_heads
@@ -564,8 +559,8 @@ def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Te
                               o_part: cute.Tensor, lse_part: cute.Tensor, *,
                               num_heads: cutlass.Constexpr, softmax_scale: cutlass.Constexpr,
                               num_splits: cutlass.Constexpr, has_extra: cutlass.Constexpr,
-                              block_n: cutlass.Constexpr = DEFAULT_CONFIG[0],
-                              num_stages: cutlass.Constexpr = DEFAULT_CONFIG[1],
+                              block_n: cutlass.Constexpr = DEFAULT_CONFIG.block_n,
+                              num_stages: cutlass.Constexpr = DEFAULT_CONFIG.num_stages,
                               qk_split: cutlass.Constexpr = False,
                               ablation: cutlass.Constexpr = ""):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
@@ -574,5 +569,4 @@ def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Te
                                               o_part, lse_part, stream)
 
 
-__all__ = ["SparseAttentionSm90", "sparse_attention_launcher", "is_supported",
-           "normalize_config", "choose_num_splits", "flops"]
+__all__ = ["SparseAttentionSm90", "sparse_attention_launcher"]
