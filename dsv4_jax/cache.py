@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import Config
+from .mesh_rules import cache_shardings
 
 __all__ = ["Cache", "LayerCache"]
 
@@ -93,7 +94,6 @@ class Cache:
 
         if mesh is None:
             return build()
-        from .sharding import cache_shardings
         shardings = cache_shardings(jax.eval_shape(build), mesh, rules)
         return jax.jit(build, out_shardings=shardings)()
 

@@ -18,12 +18,13 @@ import jax.numpy as jnp
 
 from .cache import Cache
 from .config import Config
+from .quant import FP4_CODE_VALUES
+from .models.transformer import DSV4
 
 __all__ = ["init_params", "abstract_params", "param_count"]
 
 
 def _init(cfg: Config, key):
-    from dsv4_jax.models.transformer import DSV4
     cache = Cache.init(cfg, batch=1, max_len=max(cfg.window_size, 128))
     tokens = jnp.zeros((1, 1), jnp.int32)
     return DSV4(cfg, runtime_checks=False).init(key, tokens, cache)["params"]
@@ -115,7 +116,6 @@ def _fill(key, *, kind, std, shape, dtype, n_experts=0, code_std=1.0):
 def _fill_host(rng: np.random.Generator, *, kind, std, shape, dtype, n_experts=0,
                code_std=1.0):
     """numpy twin of ``_fill`` for unsharded init: no compilation at all."""
-    from dsv4_jax.quant import FP4_CODE_VALUES
     if kind == "ones":
         return np.ones(shape, dtype)
     if kind == "normal":

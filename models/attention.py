@@ -32,6 +32,7 @@ from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor
 from .layers import (Linear, RMSNorm, act_dtype, dequant_weight, fp8_codes_init,
                      head_rms_norm, normal_init, pow2_scale_init, rope_inv_freq, rope_tail,
                      FP8_CODE_STD)
+from .parallel import batch_parallel
 
 
 def window_indices(lengths: jax.Array, seq: int, window: int) -> jax.Array:
@@ -186,7 +187,6 @@ class Attention(nn.Module):
         if self.mesh is None:
             o = attend(q, pool, win_idx, table, sel, sink)
         else:       # data parallel: every device attends its own rows with local indices
-            from .parallel import batch_parallel
             o, = batch_parallel(lambda *a: (attend(*a),), self.mesh,
                                 (q, pool, win_idx, table, sel), (sink,), 1)
         o = rope_tail(o, positions[..., None], inv_freq, rd, inverse=True)

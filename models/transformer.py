@@ -15,6 +15,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax.cache import Cache, LayerCache
+from dsv4_jax.mesh_rules import check_batch
 from .attention import Attention, commit_layer
 from . import parallel
 from .layers import Linear, RMSNorm, act_dtype, matmul_f32, normal_init
@@ -172,7 +173,6 @@ class DSV4(nn.Module):
         num_new = _check_call(cfg, tokens, cache, num_new, logits_at, self.runtime_checks,
                               cache.lengths, "cache.lengths")
         if self.mesh is not None:
-            from dsv4_jax.sharding import check_batch
             check_batch(tokens.shape[0], self.mesh)
         x = self.embed_streams(tokens)
         new_layers, pendings = [], []
