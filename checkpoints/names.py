@@ -1,8 +1,8 @@
 """The declarative map between our Flax parameter tree and the official checkpoint names.
 
-Official names (spec §4) have no ``model.`` prefix and our Flax modules carry the same
-names, so the table is short: a block prefix ``layers_{i}`` / ``mtp_{i}`` <-> ``layers.{i}`` /
-``mtp.{i}``, ``/`` <-> ``.``, plus two layouts that differ:
+Official names (docs/architecture.md §6) have no ``model.`` prefix and our Flax modules carry
+the same names, so the table is short: a block prefix ``layers_{i}`` / ``mtp_{i}`` <->
+``layers.{i}`` / ``mtp.{i}``, ``/`` <-> ``.``, plus two layouts that differ:
 
 * routed experts are one stacked leaf ``[E, ...]`` here and ``E`` tensors
   ``...experts.{e}.w1.weight`` in the files;
@@ -41,7 +41,7 @@ NAME_TABLE = (
 )
 
 # Copies that some dumps carry and the official converter skips (the MTP block shares the
-# main model's embedding and head; spec §4.3): accepted, never loaded.
+# main model's embedding and head; docs/architecture.md §6.3): accepted, never loaded.
 IGNORED_NAMES = (r"mtp\.\d+\.emb(ed)?\..*", r"mtp\.\d+\.head\.weight")
 
 _BLOCK = r"(?P<kind>layers|mtp)_(?P<i>\d+)"

@@ -1,4 +1,4 @@
-"""The decode state of DSV4 as an explicit pytree (spec §3).
+"""The decode state of DSV4 as an explicit pytree (docs/architecture.md §4).
 
 Per layer (``LayerCache``):
 

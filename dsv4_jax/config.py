@@ -20,7 +20,8 @@ def _doc(text: str, default: Any = dataclasses.MISSING, **kw):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """DeepSeek-V4 hyper-parameters (names follow the official ``ModelArgs``; spec §1.2).
+    """DeepSeek-V4 hyper-parameters (names follow the official ``ModelArgs``;
+    docs/architecture.md §2.1).
 
     Frozen and hashable (tuples only), so it can be a static argument of ``jax.jit``.
     Build it with ``Config.flash()``, ``Config.pro()``, ``Config.from_hf(dir)`` or
@@ -201,7 +202,8 @@ class Config:
 
     @classmethod
     def from_hf_dict(cls, hf: dict, **overrides) -> "Config":
-        """Build from the parsed HF ``config.json`` dictionary (spec §1.2 key names)."""
+        """Build from the parsed HF ``config.json`` dictionary (key names: docs/architecture.md
+        §2.1)."""
         overrides = _check_overrides(overrides)
         arch = hf.get("architectures") or []
         model_type = hf.get("model_type", "")

@@ -1,4 +1,5 @@
-"""DSV4 attention sub-block (spec §2.3): SWA-only, CSA (compressed + indexer) and HCA layers.
+"""DSV4 attention sub-block: SWA-only, CSA (compressed + indexer) and HCA layers
+(docs/architecture.md §3.3-3.6).
 
 Dataflow for a chunk of S tokens per row (positions ``L_b .. L_b + S - 1``):
 

@@ -1,4 +1,5 @@
-"""Token compressors (spec §2.3.3) and the lightning indexer (§2.3.4) over a chunk of tokens.
+"""Token compressors and the lightning indexer over a chunk of tokens (docs/architecture.md
+§3.4, §3.5).
 
 A call appends ``S`` tokens to every row at its own length ``L_b`` (``n_b <= S`` of them are
 real, the rest padding). The compressor lays the row's saved raw rows and the new tokens out

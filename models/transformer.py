@@ -3,8 +3,8 @@
 ``DSV4.__call__(tokens [B,S], cache)`` appends the tokens of every row at that row's length
 (prefill and decode are the same call) and returns ``(logits, new_cache)``. ``num_new [B]``
 marks how many of the S tokens of each row are real: the rest is padding that changes no
-state. ``DSV4.mtp`` runs the multi-token-prediction block (spec §2.7) on the main model's
-final residual streams.
+state. ``DSV4.mtp`` runs the multi-token-prediction block (docs/architecture.md §3.9) on the
+main model's final residual streams.
 """
 from __future__ import annotations
 
