@@ -145,7 +145,7 @@ class Attention(nn.Module):
     def __call__(self, x, lcache: LayerCache, lengths, num_new):
         """x [B,S,d] (normed block input) -> (out [B,S,d], new LayerCache, LayerPending)."""
         cfg = self.cfg
-        ratio = cfg.compress_ratios[self.layer_id]
+        ratio, kind = cfg.compress_ratios[self.layer_id], cfg.layer_kind(self.layer_id)
         b, s, _ = x.shape
         h, c, rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
         inv_freq = rope_inv_freq(cfg, compressed=ratio > 0)
@@ -169,17 +169,17 @@ class Attention(nn.Module):
         win_idx = window_indices(lengths, s, w)
 
         pending, sel, table = LayerPending(kv=kv), None, None
-        if ratio:
+        if kind != "swa":
             pending = pending.replace(compressor=Compressor(cfg, ratio, c, name="compressor")(
                 x, lcache.kv_state, lcache.score_state, lengths, num_new, inv_freq))
-            if ratio == 4:
+            if kind == "csa":
                 sel, ichunk = Indexer(cfg, name="indexer")(
                     x, qr, positions, lcache, lengths, num_new, inv_freq)
                 pending = pending.replace(indexer=ichunk)
         new_cache = commit_layer(lcache, pending, lengths, num_new)
-        if ratio:
+        if kind != "swa":
             table = new_cache.compressed                     # this call's entries included
-            if ratio != 4:
+            if kind == "hca":
                 sel = all_entry_indices(positions, ratio, table.shape[1])
 
         sink = self.param("attn_sink", normal_init(0.5), (h,), jnp.float32)
