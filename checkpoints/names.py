@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from dsv4_jax.config import Config
-from dsv4_jax.params import abstract_params
+from dsv4_jax.params import abstract_params, leaf_keys
 from .safetensors_io import dtype_code
 
 __all__ = ["NAME_TABLE", "IGNORED_NAMES", "FileTensor", "checkpoint_inventory",
@@ -60,11 +60,6 @@ _IGNORED = tuple(re.compile(p + r"\Z") for p in IGNORED_NAMES)
 
 def is_ignored(name: str) -> bool:
     return any(rx.match(name) for rx in _IGNORED)
-
-
-def leaf_keys(path) -> tuple:
-    """``jax.tree_util`` key path -> tuple of str, e.g. ``('layers_0', 'attn', 'wq_a')``."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def official_name(keys: tuple, expert: int | None = None) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import Cache
 from .config import Config
-from .params import abstract_params
+from .params import abstract_params, leaf_keys
 from .mesh_rules import (DATA, EXPERT, RULES, axis_size, cache_shardings, check_batch,
                          mesh_axes)
 
@@ -68,7 +68,7 @@ def check_mesh(cfg: Config, mesh: Mesh) -> None:
 
 
 def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in keys)
+    return "/".join(leaf_keys(keys))
 
 
 def param_spec(path: str, ndim: int, mesh: Mesh) -> P:

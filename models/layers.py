@@ -111,15 +111,21 @@ def quantized_matmul(x: jax.Array, w_f32: jax.Array, simulate: bool) -> jax.Arra
     BF16, so the products are exact with BF16 operands and the only rounding is the f32
     accumulation -- the same arithmetic as the official FP8 GEMM, and tensor-core friendly.
     """
-    if simulate:
-        xin = quant.act_quant_dequant(x).astype(jnp.bfloat16)
-        w = w_f32.astype(jnp.bfloat16)
-    elif x.dtype == jnp.bfloat16:
-        xin, w = x, w_f32.astype(jnp.bfloat16)
-    else:
-        xin, w = x.astype(jnp.float32), w_f32
+    xin, w = gemm_operands(x, w_f32, simulate)
     return jnp.einsum("...i,oi->...o", xin, w, preferred_element_type=jnp.float32,
                       precision=HIGHEST).astype(x.dtype)
+
+
+def gemm_operands(x: jax.Array, w_f32: jax.Array, simulate: bool, quantized: bool = True):
+    """The operands ``(x', w')`` of ``x @ w.T`` as the reference multiplies them
+    (docs/architecture.md §5.5): for a quantised weight with ``simulate``, the FP8-simulated
+    activation and the weight, both BF16 (exact); otherwise BF16 x BF16 for BF16 activations
+    and f32 x f32 for f32 ones. ``w_f32`` is the dequantised (or plain) weight."""
+    if quantized and simulate:
+        return quant.act_quant_dequant(x).astype(jnp.bfloat16), w_f32.astype(jnp.bfloat16)
+    if x.dtype == jnp.bfloat16:
+        return x, w_f32.astype(jnp.bfloat16)
+    return x.astype(jnp.float32), w_f32.astype(jnp.float32)
 
 
 def dequant_weight(weight: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
