@@ -18,6 +18,7 @@ bytes = unique entry bytes + Q + O + lse.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -27,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi.sparse_attention import sparse_attention_cute, sparse_attention_reference
+from dsv4_jax.kernels.sparse_attention_sm90 import ABLATIONS, SparseAttentionSm90Config
 
 PEAK_TFLOPS = 790.0
 PEAK_TBPS = 4.3
@@ -54,11 +56,11 @@ def make_sets(key, t, heads, window, extra, n_sets):
 
 
 def parse_config(text):
-    """'64x2' -> (64, 2): QK^T split as the op chooses (when unsplit); a suffix forces it:
-    '64x2s' -> (64, 2, True) splits QK^T, '64x2d' -> (64, 2, False) duplicates it."""
-    suffix = {"s": (True,), "d": (False,)}.get(text[-1], ())
+    """'64x2' -> (text, SparseAttentionSm90Config(64, 2)): QK^T split as the op chooses (when
+    unsplit); a suffix forces it: '64x2s' splits QK^T, '64x2d' duplicates it."""
+    qk_split = {"s": True, "d": False}.get(text[-1])
     block_n, stages = (int(x) for x in text.rstrip("sd").split("x"))
-    return text, (block_n, stages, *suffix)
+    return text, SparseAttentionSm90Config(block_n, stages, qk_split)
 
 
 def timed(fn, args, groups=7, per_group=10):
@@ -73,7 +75,7 @@ def timed(fn, args, groups=7, per_group=10):
     return statistics.median(means)
 
 
-def bench_one(name, t, ablations, seed, config=None, xla=True):
+def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=True):
     cfg = SHAPES[name]
     h, k, k2 = cfg["heads"], cfg["window"], cfg["extra"]
     per_call = t * (k + k2) * 1024
@@ -92,7 +94,7 @@ def bench_one(name, t, ablations, seed, config=None, xla=True):
                 else:
                     outs.append(sparse_attention_cute(
                         q, kv, idx, sink, extra_kv=extra_kv, extra_idx=xidx, scale=SCALE,
-                        config=config, ablation=ablation))
+                        config=dataclasses.replace(config, ablation=ablation)))
             return outs
         return jax.jit(run)
 
@@ -136,8 +138,7 @@ def main(argv=None):
                                      for t in a.tokens.split(",") for c in configs]:
         want = ((a.ablations == "all" or cname in a.ablations.split(","))
                 and (name, t) in (("pro", 64), ("flash", 128)))
-        from dsv4_jax.kernels.sparse_attention_sm90 import SparseAttentionSm90
-        abl_names = [x for x in SparseAttentionSm90.ABLATIONS if x] if want else []
+        abl_names = [x for x in ABLATIONS if x] if want else []
         xla = not a.no_xla and config == configs[0][1]
         row, abl = bench_one(name, t, abl_names, seed=t, config=config, xla=xla)
         row["config"] = cname

@@ -4,13 +4,11 @@
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DSV4_KERNEL_CACHE=/tmp/dsv4_kernels XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.93}
-# same namespace assembly as run_on_device.sh (package-dir mapping without an install)
-pkg=/tmp/dsv4_pkg; rm -rf $pkg; mkdir -p $pkg/dsv4_jax; cp -r dsv4_jax/. $pkg/dsv4_jax/
-for d in ffi kernels models checkpoints; do ln -sfn "$PWD/$d" "$pkg/dsv4_jax/$d"; done
-export PYTHONPATH=$pkg:${PYTHONPATH:-}
+# editable install of the checkout, as in run_on_device.sh
+python3 -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 env | grep -E "NCCL_NVLS_ENABLE|TORCH_SYMM|NVSHMEM_DISABLE" || true
-mkdir -p $OUT/tiny; OUT=$OUT/tiny timeout ${TINY_TIMEOUT:-120} python3 -P benchmarks/flash_multi_gpu.py --config tiny \
+mkdir -p $OUT/tiny; OUT=$OUT/tiny timeout ${TINY_TIMEOUT:-120} python3 benchmarks/flash_multi_gpu.py --config tiny \
   --batch 2 --prompt 16 --steps 4 --max-len 512 2>&1 | tee "$OUT/tiny.log" | cut -c1-300
-timeout ${FLASH_TIMEOUT:-420} python3 -P benchmarks/flash_multi_gpu.py "$@" 2>&1 \
+timeout ${FLASH_TIMEOUT:-420} python3 benchmarks/flash_multi_gpu.py "$@" 2>&1 \
   | tee "$OUT/flash.log" | cut -c1-400

@@ -6,20 +6,19 @@ set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 DSV4_KERNEL_CACHE=/tmp/dsv4_kernels
-# The package layout maps top-level folders into dsv4_jax (pyproject package-dir); an editable
-# install there does not resolve the subpackages, so assemble the namespace with links and run
-# with -P so that the checkout's own dsv4_jax/ folder does not shadow it.
-pkg=/tmp/dsv4_pkg; rm -rf $pkg; mkdir -p $pkg/dsv4_jax; cp -r dsv4_jax/. $pkg/dsv4_jax/
-for d in ffi kernels models checkpoints; do ln -sfn "$PWD/$d" "$pkg/dsv4_jax/$d"; done
-export PYTHONPATH=$pkg:${PYTHONPATH:-}
-python3 -P -c "import jax, dsv4_jax.ffi, cutlass; print('jax', jax.__version__, jax.devices())"
+# Install the checkout the way it is installed everywhere else: editable, no dependencies
+# (the device image has them) and no build isolation (no network there; setuptools >= 64 from
+# the image builds the editable wheel, which maps ffi/ kernels/ models/ checkpoints/ into
+# dsv4_jax).
+python3 -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+python3 -c "import jax, dsv4_jax.ffi, cutlass; print('jax', jax.__version__, jax.devices())" || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [[ $what == tests || $what == all ]]; then
-  timeout ${TEST_TIMEOUT:-200} python3 -P -m pytest -m gpu -q -p no:cacheprovider \
+  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -m gpu -q -p no:cacheprovider \
     tests/test_sparse_attention.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-330} python3 -P benchmarks/bench_sparse_attention.py --markdown "$OUT/bench${BENCH_TAG:-}.md" "$@" \
+  timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_sparse_attention.py --markdown "$OUT/bench${BENCH_TAG:-}.md" "$@" \
     2>&1 | tee "$OUT/bench${BENCH_TAG:-}.log" | grep -v Warning
 fi
 if [[ $what == profile ]]; then
@@ -27,7 +26,7 @@ if [[ $what == profile ]]; then
   tag=${1}_${2}
   XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-240} "$ncu" \
     --clock-control none --set full -k regex:SparseAttentionSm90_object --launch-skip 2 \
-    --launch-count 1 -f -o "$OUT/sa_$tag" python3 -P benchmarks/profile_sparse_attention.py "$@" \
+    --launch-count 1 -f -o "$OUT/sa_$tag" python3 benchmarks/profile_sparse_attention.py "$@" \
     >"$OUT/ncu_run_$tag.log" 2>&1 || tail -20 "$OUT/ncu_run_$tag.log"
   "$ncu" --import "$OUT/sa_$tag.ncu-rep" --page details >"$OUT/ncu_details_$tag.txt" 2>&1
   "$ncu" --import "$OUT/sa_$tag.ncu-rep" --page raw >"$OUT/ncu_raw_$tag.txt" 2>&1

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 
+from dsv4_jax.models.transformer import DSV4
+from .hf import load_hf
+from .orbax_io import is_orbax_dir, load_orbax, save as _save
 from .safetensors_io import CheckpointError
 
 __all__ = ["load", "save", "CheckpointError"]
@@ -53,10 +56,6 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
     checkpoint), ``ValueError`` (unsupported config.json architecture), ``TypeError``
     (bad overrides) -- always before a model is returned.
     """
-    from dsv4_jax.models.transformer import DSV4
-    from .hf import load_hf
-    from .orbax_io import is_orbax_dir, load_orbax
-
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: {path!r} does not exist")
@@ -78,5 +77,4 @@ def save(path, params, config, *, overwrite: bool = False, progress=None) -> str
     """Write ``params`` of ``DSV4(config)`` as an orbax checkpoint that ``load`` reads back
     bit for bit (dtypes included). ``FileExistsError`` for a non-empty ``path`` unless
     ``overwrite`` (only ever replaces a previous dsv4_jax checkpoint)."""
-    from .orbax_io import save as _save
     return _save(path, params, config, overwrite=overwrite, progress=progress)

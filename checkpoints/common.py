@@ -17,7 +17,10 @@ from collections import Counter
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from tqdm.auto import tqdm
 
+from dsv4_jax import sharding as rules
 from dsv4_jax.config import Config
 from .names import leaf_keys
 from .safetensors_io import CheckpointError
@@ -164,10 +167,8 @@ def leaf_shardings(abstract, shardings, mesh=None, cfg=None) -> dict:
 
     With a ``mesh`` and no ``shardings`` the rule table of ``dsv4_jax.sharding`` decides, after
     checking that the mesh fits the config and that the parameters fit the devices' memory."""
-    from jax.sharding import Sharding, SingleDeviceSharding
     flat = flat_leaves(abstract)
     if shardings is None and mesh is not None:
-        from dsv4_jax import sharding as rules
         rules.check_mesh(cfg, mesh)
         rules.check_fits(cfg, mesh, abstract=abstract)
         shardings = rules.param_shardings(cfg, mesh, abstract)
@@ -202,7 +203,6 @@ def leaf_shardings(abstract, shardings, mesh=None, cfg=None) -> dict:
 
 def replicated_like(sharding):
     """A sharding over the same devices that replicates (for leaves the target lacks)."""
-    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
     if isinstance(sharding, SingleDeviceSharding):
         return sharding
     if isinstance(sharding, NamedSharding):
@@ -228,7 +228,6 @@ def progress_bar(progress, total: int, desc: str, unit: str = "B"):
     show = sys.stderr.isatty() if progress is None else bool(progress)
     if not show:
         return _NoProgress()
-    from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", file=sys.stderr,
                 dynamic_ncols=True)
 

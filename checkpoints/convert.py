@@ -11,6 +11,11 @@ import argparse
 import sys
 import time
 
+import jax
+from jax.sharding import SingleDeviceSharding
+
+from . import hf, orbax_io
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="official HF checkpoint directory (config.json + safetensors)")
@@ -26,10 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import jax
-    from jax.sharding import SingleDeviceSharding
-    from . import hf, orbax_io
-
     start = time.perf_counter()
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])
     try:

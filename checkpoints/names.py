@@ -1,8 +1,8 @@
 """The declarative map between our Flax parameter tree and the official checkpoint names.
 
-Official names (spec §4) have no ``model.`` prefix and our Flax modules carry the same
-names, so the table is short: a block prefix ``layers_{i}`` / ``mtp_{i}`` <-> ``layers.{i}`` /
-``mtp.{i}``, ``/`` <-> ``.``, plus two layouts that differ:
+Official names (docs/architecture.md §6) have no ``model.`` prefix and our Flax modules carry
+the same names, so the table is short: a block prefix ``layers_{i}`` / ``mtp_{i}`` <->
+``layers.{i}`` / ``mtp.{i}``, ``/`` <-> ``.``, plus two layouts that differ:
 
 * routed experts are one stacked leaf ``[E, ...]`` here and ``E`` tensors
   ``...experts.{e}.w1.weight`` in the files;
@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from dsv4_jax.config import Config
-from dsv4_jax.params import abstract_params
+from dsv4_jax.params import abstract_params, leaf_keys
 from .safetensors_io import dtype_code
 
 __all__ = ["NAME_TABLE", "IGNORED_NAMES", "FileTensor", "checkpoint_inventory",
@@ -41,7 +41,7 @@ NAME_TABLE = (
 )
 
 # Copies that some dumps carry and the official converter skips (the MTP block shares the
-# main model's embedding and head; spec §4.3): accepted, never loaded.
+# main model's embedding and head; docs/architecture.md §6.3): accepted, never loaded.
 IGNORED_NAMES = (r"mtp\.\d+\.emb(ed)?\..*", r"mtp\.\d+\.head\.weight")
 
 _BLOCK = r"(?P<kind>layers|mtp)_(?P<i>\d+)"
@@ -60,11 +60,6 @@ _IGNORED = tuple(re.compile(p + r"\Z") for p in IGNORED_NAMES)
 
 def is_ignored(name: str) -> bool:
     return any(rx.match(name) for rx in _IGNORED)
-
-
-def leaf_keys(path) -> tuple:
-    """``jax.tree_util`` key path -> tuple of str, e.g. ``('layers_0', 'attn', 'wq_a')``."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def official_name(keys: tuple, expert: int | None = None) -> tuple[str, str]:

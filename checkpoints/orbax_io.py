@@ -37,6 +37,13 @@ PARAMS_DIR = "params"
 FORMAT, VERSION = "dsv4-jax-orbax", 1
 
 
+def _orbax():
+    # Imported on first use, not at the top: orbax adds about half a second to every
+    # `import dsv4_jax`, and only orbax directories need it.
+    import orbax.checkpoint
+    return orbax.checkpoint
+
+
 def is_orbax_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
@@ -75,7 +82,7 @@ def write_groups(path, config: Config, groups, *, overwrite=False, progress=None
                  n_groups: int | None = None) -> str:
     """Save ``(group, subtree)`` pairs one at a time (``groups`` may be a generator that
     reads them lazily), then the config file."""
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
     path = os.path.abspath(os.fspath(path))
     _prepare_dir(path, overwrite)
     checkpointer = ocp.StandardCheckpointer()
@@ -119,7 +126,7 @@ def read_config(path: str) -> Config:
 
 def _disk_shapes(path: str) -> dict:
     """``{key tuple: (shape, dtype)}`` from the orbax metadata of every stored group."""
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
     root = os.path.join(path, PARAMS_DIR)
     if not os.path.isdir(root):
         raise CheckpointError(f"orbax checkpoint {path}: no {PARAMS_DIR}/ directory")
@@ -152,7 +159,7 @@ def load_orbax(path: str, *, dequantize=False, shardings=None, mesh=None, dtype=
     """``(config, params)`` from a directory written by ``save``, restored group by group
     onto the target shardings; precision changes (``dequantize``, ``dtype="float32"``) are
     done on the devices right after each group is restored."""
-    import orbax.checkpoint as ocp
+    ocp = _orbax()
     path = os.path.abspath(path)
     stored = read_config(path)
     target = target_config(stored, overrides or {}, dequantize=dequantize, dtype=dtype)

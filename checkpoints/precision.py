@@ -5,11 +5,11 @@ naming the tensor:
 
 * BF16 -> F32 (``Config.dtype="float32"``), I64 -> int32 for ``tid2eid`` (range-checked
   against ``n_routed_experts``), F32 power-of-two scales -> E8M0 (the FP8 -Base checkpoints
-  may store F32 block scales; spec §1.4, unverified);
+  may store F32 block scales; unverified);
 * dequantisation (``dequantize=True``): FP8 e4m3 x E8M0 128x128 and packed FP4 e2m1 x E8M0
-  1x32 (spec §4.4) are products of a short-mantissa code and a power of two, so they are
-  exact in BF16/F32 whenever the scale exponents keep every product inside the target's
-  range (``check_exact_dequant``; true for any real checkpoint).
+  1x32 (docs/architecture.md §5.2-5.3) are products of a short-mantissa code and a power of
+  two, so they are exact in BF16/F32 whenever the scale exponents keep every product inside
+  the target's range (``check_exact_dequant``; true for any real checkpoint).
 
 These are numpy twins of ``dsv4_jax.quant.dequant_fp8_weight`` /
 ``dequant_fp4_weight`` (the tests compare them bit for bit) so loading needs no device

@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-import dsv4_jax
 from dsv4_jax.config import Config
+from dsv4_jax.params import init_params
 from .common import flat_leaves
 from .hf import INDEX_FILE
 from .names import checkpoint_inventory
@@ -45,7 +45,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, config: Config | None = None,
         raise ValueError(f"write_tiny_checkpoint: shards must be a positive int, got {shards!r}")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    params = dsv4_jax.init_params(cfg, seed)
+    params = init_params(cfg, seed)
     leaves = {k: np.asarray(x) for k, x in flat_leaves(params)}
     inventory = checkpoint_inventory(cfg)
     tensors = []

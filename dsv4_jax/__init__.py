@@ -10,8 +10,9 @@
 from ._xla_flags import EXACT_ROUNDING  # noqa: F401  first: XLA_FLAGS must precede backend creation
 from .config import Config
 from .cache import Cache, LayerCache
-from dsv4_jax.models.transformer import DSV4
+from .models.transformer import DSV4
 from .params import init_params, abstract_params, param_count
+from .checkpoints import load, save
 from . import sampling, introspect
 from .sampling import Greedy, Temperature, TopK, TopP, MinP
 from .generation import generate, stream
@@ -20,15 +21,3 @@ __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_par
            "param_count", "generate", "stream", "Greedy", "Temperature", "TopK", "TopP", "MinP",
            "sampling", "introspect"]
 
-
-def load(path, **kwargs):
-    """``model, params = load(path)`` from an official HF directory or an orbax directory
-    written by :func:`save` (see ``dsv4_jax.checkpoints.load``)."""
-    from dsv4_jax.checkpoints import load as _load
-    return _load(path, **kwargs)
-
-
-def save(path, params, config, **kwargs):
-    """Write ``params`` and ``config`` as an orbax checkpoint (see ``dsv4_jax.checkpoints.save``)."""
-    from dsv4_jax.checkpoints import save as _save
-    return _save(path, params, config, **kwargs)

@@ -1,4 +1,4 @@
-"""The decode state of DSV4 as an explicit pytree (spec §3).
+"""The decode state of DSV4 as an explicit pytree (docs/architecture.md §4).
 
 Per layer (``LayerCache``):
 
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from .config import Config
+from .config import CSA_RATIO, Config, compressor_overlap
+from .mesh_rules import cache_shardings
 
 __all__ = ["Cache", "LayerCache"]
 
@@ -39,24 +40,43 @@ class LayerCache:
     index_score_state: Optional[jax.Array] = None
     index_keys: Optional[jax.Array] = None
 
+    def emptied(self) -> "LayerCache":
+        """A fresh layer cache of the same shapes and dtypes (what ``init_layer_cache`` gives)."""
+        def like(x, make):
+            return None if x is None else make(x.shape, x.dtype)
+        return LayerCache(
+            like(self.window, _empty), like(self.kv_state, _empty),
+            like(self.score_state, _empty_scores), like(self.compressed, _empty),
+            like(self.index_kv_state, _empty), like(self.index_score_state, _empty_scores),
+            like(self.index_keys, _empty))
+
 
 def _compressor_state(batch: int, ratio: int, width: int):
-    coff = 2 if ratio == 4 else 1
+    coff = compressor_overlap(ratio)
     shape = (batch, coff * ratio, coff * width)
-    return jnp.zeros(shape, jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32)
+    return _empty(shape, jnp.float32), _empty_scores(shape, jnp.float32)
+
+
+def _empty(shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+def _empty_scores(shape, dtype):
+    # unfilled compressor rows have score -inf: zero weight in the pooling softmax
+    return jnp.full(shape, -jnp.inf, dtype)
 
 
 def init_layer_cache(cfg: Config, layer_id: int, batch: int, max_len: int, dtype) -> LayerCache:
-    ratio = cfg.compress_ratios[layer_id]
-    window = jnp.zeros((batch, cfg.window_size, cfg.head_dim), dtype)
-    if ratio == 0:
+    ratio, kind = cfg.compress_ratios[layer_id], cfg.layer_kind(layer_id)
+    window = _empty((batch, cfg.window_size, cfg.head_dim), dtype)
+    if kind == "swa":
         return LayerCache(window=window)
     kv_state, score_state = _compressor_state(batch, ratio, cfg.head_dim)
-    compressed = jnp.zeros((batch, max_len // ratio, cfg.head_dim), dtype)
-    if ratio != 4:
+    compressed = _empty((batch, max_len // ratio, cfg.head_dim), dtype)
+    if kind == "hca":
         return LayerCache(window, kv_state, score_state, compressed)
-    ikv, isc = _compressor_state(batch, ratio, cfg.index_head_dim)
-    keys = jnp.zeros((batch, max_len // ratio, cfg.index_head_dim), dtype)
+    ikv, isc = _compressor_state(batch, CSA_RATIO, cfg.index_head_dim)
+    keys = _empty((batch, max_len // CSA_RATIO, cfg.index_head_dim), dtype)
     return LayerCache(window, kv_state, score_state, compressed, ikv, isc, keys)
 
 
@@ -93,7 +113,6 @@ class Cache:
 
         if mesh is None:
             return build()
-        from .sharding import cache_shardings
         shardings = cache_shardings(jax.eval_shape(build), mesh, rules)
         return jax.jit(build, out_shardings=shardings)()
 
@@ -117,12 +136,10 @@ class Cache:
     @staticmethod
     def init_like(cache: "Cache") -> "Cache":
         """A fresh cache of the same structure, shapes and dtypes."""
-        def fresh(path, x):
-            name = jax.tree_util.keystr(path)
-            if "score_state" in name:
-                return jnp.full(x.shape, -jnp.inf, x.dtype)
-            return jnp.zeros(x.shape, x.dtype)
-        return jax.tree_util.tree_map_with_path(fresh, cache)
+        return cache.replace(
+            lengths=jnp.zeros_like(cache.lengths), mtp_lengths=jnp.zeros_like(cache.mtp_lengths),
+            layers=tuple(lc.emptied() for lc in cache.layers),
+            mtp=tuple(lc.emptied() for lc in cache.mtp))
 
     def nbytes(self) -> int:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))

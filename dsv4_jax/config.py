@@ -6,9 +6,12 @@ import json
 import os
 from typing import Any
 
-__all__ = ["Config"]
+__all__ = ["Config", "CSA_RATIO", "HCA_RATIO", "compressor_overlap"]
 
-_RATIOS = (0, 4, 128)
+# Compression ratio -> layer kind (docs/architecture.md §2.2): the one place that spells it.
+CSA_RATIO, HCA_RATIO = 4, 128
+_KINDS = {0: "swa", CSA_RATIO: "csa", HCA_RATIO: "hca"}
+_RATIOS = tuple(_KINDS)
 _DTYPES = ("bfloat16", "float32")
 _EXPERT_DTYPES = ("fp4", "fp8")
 
@@ -20,7 +23,8 @@ def _doc(text: str, default: Any = dataclasses.MISSING, **kw):
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """DeepSeek-V4 hyper-parameters (names follow the official ``ModelArgs``; spec §1.2).
+    """DeepSeek-V4 hyper-parameters (names follow the official ``ModelArgs``;
+    docs/architecture.md §2.1).
 
     Frozen and hashable (tuples only), so it can be a static argument of ``jax.jit``.
     Build it with ``Config.flash()``, ``Config.pro()``, ``Config.from_hf(dir)`` or
@@ -142,6 +146,12 @@ class Config:
     def softmax_scale(self) -> float:
         return self.head_dim ** -0.5
 
+    def layer_kind(self, layer_id: int) -> str:
+        """``"swa"`` (ratio 0: window only), ``"csa"`` (ratio 4: overlapping compressor and
+        lightning indexer) or ``"hca"`` (ratio 128: every compressed entry) of block
+        ``layer_id`` (MTP blocks follow the main layers)."""
+        return _KINDS[self.compress_ratios[layer_id]]
+
     @staticmethod
     def field_doc(name: str) -> str:
         """The docstring of field ``name``."""
@@ -201,7 +211,8 @@ class Config:
 
     @classmethod
     def from_hf_dict(cls, hf: dict, **overrides) -> "Config":
-        """Build from the parsed HF ``config.json`` dictionary (spec §1.2 key names)."""
+        """Build from the parsed HF ``config.json`` dictionary (key names: docs/architecture.md
+        §2.1)."""
         overrides = _check_overrides(overrides)
         arch = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
@@ -273,6 +284,11 @@ class Config:
                                             weight_block_size=[128, 128], scale_fmt="ue8m0")
             d["expert_dtype"] = self.expert_dtype
         return d
+
+
+def compressor_overlap(ratio: int) -> int:
+    """``coff``: 2 for CSA's overlapping compressor (each entry pools two blocks), else 1."""
+    return 2 if ratio == CSA_RATIO else 1
 
 
 def _first(v):

@@ -18,12 +18,14 @@ import jax.numpy as jnp
 
 from .cache import Cache
 from .config import Config
+from .quant import FP4_CODE_VALUES
+from .models.layers import FP4_CODE_STD, FP8_CODE_STD
+from .models.transformer import DSV4
 
-__all__ = ["init_params", "abstract_params", "param_count"]
+__all__ = ["init_params", "abstract_params", "param_count", "leaf_keys"]
 
 
 def _init(cfg: Config, key):
-    from dsv4_jax.models.transformer import DSV4
     cache = Cache.init(cfg, batch=1, max_len=max(cfg.window_size, 128))
     tokens = jnp.zeros((1, 1), jnp.int32)
     return DSV4(cfg, runtime_checks=False).init(key, tokens, cache)["params"]
@@ -48,8 +50,9 @@ def _abstract_params(cfg: Config) -> dict:
     return jax.eval_shape(functools.partial(_init, cfg), jax.random.key(0))
 
 
-def _path_keys(path) -> tuple:
-    return tuple(str(getattr(p, "key", p)) for p in path)
+def leaf_keys(path) -> tuple:
+    """``jax.tree_util`` key path -> tuple of str, e.g. ``('layers_0', 'attn', 'wq_a')``."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
 def leaf_rule(keys: tuple, leaf) -> tuple:
@@ -84,54 +87,77 @@ def _fan_in(weight_leaf) -> int:
     return n * 2 if jnp.dtype(weight_leaf.dtype) == jnp.int8 else n
 
 
-@functools.lru_cache(maxsize=None)
-def _filler(sharding):
-    """``_fill`` jitted to produce its leaf directly with ``sharding`` (no host copy)."""
-    return jax.jit(_fill, static_argnames=("kind", "std", "shape", "dtype", "n_experts",
-                                           "code_std"), out_shardings=sharding)
+class _HostRandom:
+    """numpy draws for unsharded init: no compilation at all."""
+    xp = np
+    fp4_code_std = FP4_CODE_STD       # N(0, 2) values rounded onto the FP4 grid
 
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
 
-def _fill(key, *, kind, std, shape, dtype, n_experts=0, code_std=1.0):
-    if kind == "ones":
-        x = jnp.ones(shape, dtype)
-    elif kind == "normal":
-        x = (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
-    elif kind == "fp8":
-        x = jnp.clip(jax.random.normal(key, shape, jnp.float32) * 64.0, -448, 448).astype(dtype)
-    elif kind == "fp4":
-        # uniform random codes straight as bytes: no [.., 2*in] float intermediate, which at
-        # real size (a stacked expert projection) would be tens of GB
-        x = jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8)
-    elif kind == "pow2":
-        x = jnp.full(shape, 2.0 ** round(math.log2(std / code_std)), jnp.float32).astype(dtype)
-    elif kind == "hash":
-        r = jax.random.uniform(key, (shape[0], n_experts))
-        x = jnp.argsort(r, axis=-1)[:, :shape[1]].astype(dtype)
-    else:
-        raise ValueError(kind)
-    return x
+    def normal(self, shape):
+        return self.rng.standard_normal(shape, np.float32)
 
+    def uniform(self, shape):
+        return self.rng.random(shape)
 
-def _fill_host(rng: np.random.Generator, *, kind, std, shape, dtype, n_experts=0,
-               code_std=1.0):
-    """numpy twin of ``_fill`` for unsharded init: no compilation at all."""
-    from dsv4_jax.quant import FP4_CODE_VALUES
-    if kind == "ones":
-        return np.ones(shape, dtype)
-    if kind == "normal":
-        return (rng.standard_normal(shape, np.float32) * np.float32(std)).astype(dtype)
-    if kind == "fp8":
-        return np.clip(rng.standard_normal(shape, np.float32) * 64, -448, 448).astype(dtype)
-    if kind == "fp4":
-        v = np.clip(rng.standard_normal((*shape[:-1], shape[-1] * 2), np.float32) * 2, -6, 6)
+    def fp4_codes(self, shape):
+        v = np.clip(self.normal((*shape[:-1], shape[-1] * 2)) * 2, -6, 6)
         mag = np.abs(np.abs(v)[..., None] - FP4_CODE_VALUES[:8]).argmin(-1).astype(np.uint8)
         codes = (mag | (np.signbit(v).astype(np.uint8) << 3)).reshape(*shape, 2)
         return (codes[..., 0] | (codes[..., 1] << 4)).view(np.int8)
+
+
+class _DeviceRandom:
+    """``jax.random`` draws from one key, traced inside the per-leaf jit of ``_filler``."""
+    xp = jnp
+    fp4_code_std = 3.4                # uniform random codes
+
+    def __init__(self, key):
+        self.key = key
+
+    def normal(self, shape):
+        return jax.random.normal(self.key, shape, jnp.float32)
+
+    def uniform(self, shape):
+        return jax.random.uniform(self.key, shape)
+
+    def fp4_codes(self, shape):
+        # uniform random codes straight as bytes: no [.., 2*in] float intermediate, which at
+        # real size (a stacked expert projection) would be tens of GB
+        return jax.lax.bitcast_convert_type(jax.random.bits(self.key, shape, jnp.uint8),
+                                            jnp.int8)
+
+
+def _fill(random, *, kind, std, shape, dtype, n_experts=0, code_std=1.0):
+    """One leaf of distribution ``kind`` (see ``leaf_rule``), drawn with ``random``."""
+    xp = random.xp
+    if kind == "ones":
+        return xp.ones(shape, dtype)
+    if kind == "normal":
+        return (random.normal(shape) * xp.float32(std)).astype(dtype)
+    if kind == "fp8":
+        return xp.clip(random.normal(shape) * FP8_CODE_STD, -448, 448).astype(dtype)
+    if kind == "fp4":
+        return random.fp4_codes(shape)
     if kind == "pow2":
-        return np.full(shape, 2.0 ** round(math.log2(std / code_std)), np.float32).astype(dtype)
+        return xp.full(shape, 2.0 ** round(math.log2(std / code_std)), xp.float32).astype(dtype)
     if kind == "hash":
-        return np.argsort(rng.random((shape[0], n_experts)), axis=-1)[:, :shape[1]].astype(dtype)
+        order = xp.argsort(random.uniform((shape[0], n_experts)), axis=-1)
+        return order[:, :shape[1]].astype(dtype)
     raise ValueError(kind)
+
+
+def _fill_on_device(key, **static):
+    return _fill(_DeviceRandom(key), **static)
+
+
+@functools.lru_cache(maxsize=None)
+def _filler(sharding):
+    """``_fill`` jitted to produce its leaf directly with ``sharding`` (no host copy)."""
+    return jax.jit(_fill_on_device, static_argnames=("kind", "std", "shape", "dtype",
+                                                     "n_experts", "code_std"),
+                   out_shardings=sharding)
 
 
 def init_params(cfg: Config, key, *, shardings=None) -> dict:
@@ -146,28 +172,26 @@ def init_params(cfg: Config, key, *, shardings=None) -> dict:
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     shard_leaves = (jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
                     if shardings is not None else [None] * len(flat))
-    by_path = {_path_keys(p): leaf for p, leaf in flat}
-    host_rng = None
+    by_path = {leaf_keys(p): leaf for p, leaf in flat}
+    host = None
     if shardings is None:       # host generation: no per-leaf compiles
         seed = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel().tolist()
-        host_rng = np.random.default_rng(seed)
+        host = _HostRandom(np.random.default_rng(seed))
     out = []
     for i, ((path, leaf), sharding) in enumerate(zip(flat, shard_leaves)):
-        keys = _path_keys(path)
+        keys = leaf_keys(path)
         kind, std = leaf_rule(keys, leaf)
         code_std = 1.0
         if kind == "pow2":                            # scale of a quantised weight
             weight = by_path[keys[:-1] + ("weight",)]
             std = _fan_in(weight) ** -0.5
-            # code std: 2 for the host's N(0, 2) FP4 codes, ~3.4 for the device's uniform ones
-            fp4_std = 2.0 if host_rng is not None else 3.4
-            code_std = fp4_std if jnp.dtype(weight.dtype) == jnp.int8 else 64.0
-        if host_rng is not None:
-            dt = jnp.dtype(leaf.dtype)
-            out.append(jnp.asarray(_fill_host(host_rng, kind=kind, std=float(std),
-                                              shape=tuple(leaf.shape), dtype=dt,
-                                              n_experts=cfg.n_routed_experts,
-                                              code_std=code_std)))
+            random = host or _DeviceRandom
+            code_std = (random.fp4_code_std if jnp.dtype(weight.dtype) == jnp.int8
+                        else FP8_CODE_STD)
+        if host is not None:
+            out.append(jnp.asarray(_fill(host, kind=kind, std=float(std),
+                                         shape=tuple(leaf.shape), dtype=jnp.dtype(leaf.dtype),
+                                         n_experts=cfg.n_routed_experts, code_std=code_std)))
             continue
         leaf_key = jax.random.fold_in(key, i)
         fill = _filler(sharding)
@@ -183,7 +207,7 @@ def param_count(params_or_cfg, *, include_mtp: bool = True) -> int:
     tree = abstract_params(params_or_cfg) if isinstance(params_or_cfg, Config) else params_or_cfg
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        keys = _path_keys(path)
+        keys = leaf_keys(path)
         dt = jnp.dtype(leaf.dtype)
         if dt == jnp.float8_e8m0fnu or keys[-1] == "tid2eid":
             continue

@@ -22,7 +22,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP4_DTYPE = jnp.float4_e2m1fn
 E8M0_DTYPE = jnp.float8_e8m0fnu
 
-# Value of each e2m1 code (low nibble first in packed bytes), spec §4.4.
+# Value of each e2m1 code (low nibble first in packed bytes), docs/architecture.md §5.3.
 FP4_CODE_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
                            dtype=np.float32)
 
@@ -187,7 +187,7 @@ def quantize_fp4_weight(w: jax.Array, block: int = 32):
 
 
 def fp4_to_fp8_weight(packed: jax.Array, scale: jax.Array, block: int = 128, sub: int = 32):
-    """Lossless FP4 (1x32 E8M0) -> FP8 (128x128 E8M0) conversion of spec §4.4.
+    """Lossless FP4 (1x32 E8M0) -> FP8 (128x128 E8M0) conversion (docs/architecture.md §5.6).
 
     Per 128x128 block: new scale = max(sub-block scales) / 2^6, e4m3 = e2m1 * (sub / new);
     every product is at most 6 * 2^6 = 384 < 448 and a power-of-two multiple of an e2m1 value,

@@ -1,14 +1,9 @@
-"""Running DSV4 on a ``jax.sharding.Mesh``: one rule table, shardings, memory planning.
+"""Running DSV4 on a ``jax.sharding.Mesh``: parameter shardings, placement, memory planning.
 
-Mesh axes are ``("data", "expert")``. The rule table below is the whole distribution policy:
-
-* the batch -- activations, attention, the cache -- is split over all devices (data x expert):
-  attention is data-parallel, never head-split (MQA heads share one entry; splitting heads
-  would pad them and cut arithmetic intensity);
-* routed experts are split over ``expert`` (expert parallelism: tokens travel to the devices
-  that own their experts by all-to-all and come back), replicated over ``data``;
-* embedding and LM head are split over the vocabulary (all devices);
-* everything else (attention weights, shared experts, norms, routers, mHC) is replicated.
+The distribution policy -- mesh axes ``("data", "expert")`` and the logical-axis rule table
+``RULES`` -- is in ``dsv4_jax.mesh_rules`` (re-exported here). ``PARAM_AXES`` below maps
+parameter paths to logical axes; everything it does not match (attention weights, shared
+experts, norms, routers, mHC) is replicated.
 
 ``DSV4(cfg, mesh=mesh)`` runs the collectives (models/parallel.py); ``shard`` places a
 parameter tree, ``Cache.init(..., mesh=mesh)`` a cache, ``init_params(..., shardings=...)`` and
@@ -23,19 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .cache import Cache
 from .config import Config
+from .params import abstract_params, leaf_keys
+from .mesh_rules import (DATA, EXPERT, RULES, axis_size, cache_shardings, check_batch,
+                         mesh_axes)
 
 __all__ = ["RULES", "PARAM_AXES", "make_mesh", "param_shardings", "shard", "cache_shardings",
            "check_mesh", "check_batch", "per_device_bytes", "check_fits", "memory_table"]
-
-DATA, EXPERT = "data", "expert"
-
-# logical axis -> mesh axes
-RULES = {
-    "batch": (DATA, EXPERT),
-    "vocab": (DATA, EXPERT),
-    "expert": EXPERT,
-}
 
 # parameter path (regex on "a/b/c") -> logical axes of its dimensions; unmatched: replicated
 PARAM_AXES = (
@@ -62,57 +52,35 @@ def make_mesh(data: int = 1, expert: int | None = None, devices=None) -> Mesh:
                          devices=devices[:data * expert])
 
 
-def _mesh_axes(mesh: Mesh, logical) -> object:
-    if logical is None:
-        return None
-    axes = RULES[logical]
-    axes = (axes,) if isinstance(axes, str) else axes
-    axes = tuple(a for a in axes if a in mesh.axis_names)
-    return axes if axes else None
-
-
-def _n_devices(mesh: Mesh, logical) -> int:
-    axes = _mesh_axes(mesh, logical) or ()
-    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-
-
 def check_mesh(cfg: Config, mesh: Mesh) -> None:
     """``ValueError`` when the mesh cannot hold this model's layout."""
     unknown = set(mesh.axis_names) - {DATA, EXPERT}
     if unknown:
         raise ValueError(f"mesh axes must be 'data' and/or 'expert', got {mesh.axis_names}")
-    n_exp = _n_devices(mesh, "expert")
+    n_exp = axis_size(mesh, "expert")
     if cfg.n_routed_experts % n_exp:
         raise ValueError(f"the mesh's expert axis ({n_exp}) does not divide n_routed_experts "
                          f"({cfg.n_routed_experts})")
-    n_vocab = _n_devices(mesh, "vocab")
+    n_vocab = axis_size(mesh, "vocab")
     if cfg.vocab_size % n_vocab:
         raise ValueError(f"vocab_size {cfg.vocab_size} is not divisible by the {n_vocab} devices "
                          "that split the embedding and the LM head")
 
 
-def check_batch(batch: int, mesh: Mesh) -> None:
-    n = _n_devices(mesh, "batch")
-    if batch % n:
-        raise ValueError(f"batch {batch} is not divisible by the data-parallel size {n} "
-                         f"(mesh data x expert = {dict(mesh.shape)})")
-
-
 def _path(keys) -> str:
-    return "/".join(str(getattr(k, "key", k)) for k in keys)
+    return "/".join(leaf_keys(keys))
 
 
 def param_spec(path: str, ndim: int, mesh: Mesh) -> P:
     for pattern, logical in PARAM_AXES:
         if re.search(pattern, path):
-            axes = [_mesh_axes(mesh, lg) for lg in logical][:ndim]
+            axes = [mesh_axes(mesh, lg) for lg in logical][:ndim]
             return P(*axes, *([None] * (ndim - len(axes))))
     return P()
 
 
 def param_shardings(cfg: Config, mesh: Mesh, abstract=None):
     """Tree of ``NamedSharding`` matching the parameter tree of ``DSV4(cfg)``."""
-    from .params import abstract_params
     check_mesh(cfg, mesh)
     abstract = abstract if abstract is not None else abstract_params(cfg)
     return jax.tree_util.tree_map_with_path(
@@ -123,14 +91,6 @@ def shard(params, cfg: Config, mesh: Mesh):
     """Place an existing parameter tree on the mesh (``jax.device_put`` leaf by leaf)."""
     shardings = param_shardings(cfg, mesh, params)
     return jax.tree.map(jax.device_put, params, shardings)
-
-
-def cache_shardings(abstract_cache, mesh: Mesh, rules=None):
-    """Every cache array is split along its batch dimension (dim 0)."""
-    check_batch(abstract_cache.lengths.shape[0], mesh)
-    axes = _mesh_axes(mesh, "batch")
-    return jax.tree.map(lambda x: NamedSharding(mesh, P(axes, *([None] * (x.ndim - 1)))),
-                        abstract_cache)
 
 
 # ----------------------------------------------------------------------------- memory
@@ -157,9 +117,7 @@ def _device_memory(device) -> int | None:
 def check_fits(cfg: Config, mesh: Mesh, *, reserve: float = 0.1, abstract=None) -> int:
     """Per-device parameter bytes on this mesh; ``ValueError`` before anything is allocated
     when that exceeds the devices' memory (minus ``reserve`` for cache and activations)."""
-    abstract = abstract if abstract is not None else None
-    from .params import abstract_params
-    abstract = abstract or abstract_params(cfg)
+    abstract = abstract if abstract is not None else abstract_params(cfg)
     need = per_device_bytes(abstract, param_shardings(cfg, mesh, abstract))
     limits = [m for m in (_device_memory(d) for d in mesh.devices.flat) if m]
     if limits and need > (1 - reserve) * min(limits):
@@ -174,7 +132,6 @@ def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
                  prefill_chunk: int = 4096) -> list[dict]:
     """Per-device GiB for params, cache per 1k tokens per sequence and activations (estimate),
     with experts split over all devices (data = 1, expert = n)."""
-    from .params import abstract_params
     abstract = abstract_params(cfg)
     leaves = jax.tree_util.tree_leaves_with_path(abstract)
     expert_bytes = sum(x.size * x.dtype.itemsize for k, x in leaves
@@ -205,6 +162,5 @@ def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
 
 
 def _cache_bytes(cfg: Config, max_len: int) -> int:
-    from .cache import Cache
     c = jax.eval_shape(lambda: Cache.init(cfg, 1, max_len))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c))

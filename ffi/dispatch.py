@@ -19,6 +19,10 @@ import importlib.util
 import os
 from typing import Literal
 
+import jax
+
+from ._arch import pin_arch
+
 ENV_VAR = "DSV4_IMPLEMENTATION"
 IMPLEMENTATIONS = ("cute", "xla")
 Choice = Literal["cute", "xla", "auto"]
@@ -42,7 +46,6 @@ def cuda_target():
 
 @functools.lru_cache(maxsize=None)
 def _process_has_cuda() -> bool:
-    import jax
     try:
         return len(jax.devices("cuda")) > 0
     except RuntimeError:
@@ -59,10 +62,9 @@ def cutlass_available() -> tuple[bool, str]:
     """Whether CuTe DSL and its JAX bridge import here (imported only when first asked)."""
     if importlib.util.find_spec("cutlass") is None:
         return False, "nvidia-cutlass-dsl is not installed"
-    from ._arch import pin_arch
     pin_arch()
     try:
-        import cutlass.jax  # noqa: F401
+        import cutlass.jax  # noqa: F401  (here, not at the top: loading CuTe DSL is optional)
     except Exception as e:  # a broken install must not break the reference path
         return False, f"cutlass.jax does not import ({type(e).__name__}: {e})"
     return True, ""
@@ -125,5 +127,4 @@ def select_implementation(op_name: str, implementation: str | None,
 
 def cute_or_reference(cute_fn, reference_fn, *args):
     """Run ``cute_fn`` when lowering for CUDA and ``reference_fn`` elsewhere."""
-    import jax
     return jax.lax.platform_dependent(*args, cuda=cute_fn, default=reference_fn)

@@ -1,6 +1,11 @@
 """Sparse MQA attention with a per-head sink: the op every DSV4 attention layer calls.
 
-Contract (see ../shared/design.md)::
+Laid out as every op (docs/architecture.md §7): the public op ``sparse_attention`` with its
+``implementation`` dispatch, the pure-JAX ``sparse_attention_reference``, the argument checks
+``check_sparse_attention_args``, and the kernel path ``sparse_attention_cute`` whose launch
+configuration is a ``SparseAttentionSm90Config`` (``kernels/sparse_attention_sm90.py``).
+
+Contract (docs/architecture.md §8)::
 
     sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
                      implementation=None) -> (o, lse)
@@ -32,8 +37,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax.kernels.sparse_attention_sm90 import (DEFAULT_CONFIG, SparseAttentionSm90Config,
+                                                    choose_num_splits)
+from .dispatch import cute_or_reference, select_implementation
+
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_cute",
-           "check_sparse_attention_args", "kernel_support"]
+           "check_sparse_attention_args", "SparseAttentionSm90Config"]
 
 _FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # Tokens per lax.map step of the reference, which bounds the gathered [chunk, K, D] block.
@@ -131,14 +140,14 @@ def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=Non
     return o.reshape(-1, *q.shape[1:])[:t], lse.reshape(-1, q.shape[1])[:t]
 
 
-def kernel_support(q, kv, idx, extra_kv, extra_idx, scale) -> tuple[bool, str]:
-    """Whether the Hopper kernel handles these arguments: ``(ok, reason)``; imports no cutlass."""
+def _kernel_support(config: SparseAttentionSm90Config, q, kv, idx, extra_kv, extra_idx,
+                    scale) -> tuple[bool, str]:
+    """``config.is_supported`` for these arguments; imports no cutlass."""
     try:
         float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError):
         return False, "a traced scale (the kernel bakes scale in; pass a Python float)"
-    from dsv4_jax.kernels.sparse_attention_sm90_support import is_supported
-    return is_supported(
+    return config.is_supported(
         dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[-1], num_heads=q.shape[1],
         num_tokens=q.shape[0], window_slots=idx.shape[1], pool_rows=kv.shape[0],
         extra_slots=0 if extra_idx is None else extra_idx.shape[1],
@@ -146,28 +155,28 @@ def kernel_support(q, kv, idx, extra_kv, extra_idx, scale) -> tuple[bool, str]:
 
 
 def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
-                          config=None, poison=None, ablation=""):
-    """The Hopper kernel (``kernels/sparse_attention_sm90.py``) as an XLA custom call.
+                          config: SparseAttentionSm90Config | None = None):
+    """The Hopper kernel (``kernels/sparse_attention_sm90_kernel.py``) as an XLA custom call.
 
-    ``config``: (entries per stage, stages[, split QK^T]), one of the kernel's ``CONFIGS``;
-    without the third entry the kernel splits QK^T when the launch has a single split
-    (``normalize_config``). Test and
-    benchmark hooks: ``poison`` (a float) fills every output buffer with that value before
-    the kernel runs, in place, so an element the kernel does not write shows up;
-    ``ablation`` selects a variant that leaves one stage out (wrong outputs, timing only).
+    ``config``: a ``SparseAttentionSm90Config`` (default: ``DEFAULT_CONFIG``); its
+    ``qk_split=None`` is decided per launch (``SparseAttentionSm90Config.resolve``), and its
+    test hooks (``poison``, ``ablation``) apply here.
     """
-    from .cute_call import cute_call   # first: pins CUTE_DSL_ARCH before cutlass loads
-    from dsv4_jax.kernels import sparse_attention_sm90 as kernel
+    # Imported here, not at the top: CuTe DSL loads only when a kernel is emitted, so the
+    # reference path works (and imports fast) where cutlass cannot load. cute_call first: it
+    # pins CUTE_DSL_ARCH before cutlass is imported.
+    from .cute_call import cute_call
+    from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel
 
+    config = DEFAULT_CONFIG if config is None else config
     t, h, d = q.shape
     has_extra = extra_kv is not None
     if not has_extra:
         # The launcher's signature is fixed; these stand-ins are never read (has_extra=False).
         extra_kv, extra_idx = kv, idx
     num_slots = idx.shape[1] + (extra_idx.shape[1] if has_extra else 0)
-    block_n = kernel.normalize_config(config)[0]
-    splits = kernel.choose_num_splits(t, h, num_slots, block_n)
-    block_n, num_stages, qk_split = kernel.normalize_config(config, splits)
+    splits = choose_num_splits(t, h, num_slots, config.block_n)
+    launch = config.resolve(splits)
     # Flash-decoding partials (fp32 output and lse of each split); a placeholder without split.
     part_o = (splits, t, h, d) if splits > 1 else (1,)
     part_lse = (splits, t, h) if splits > 1 else (1,)
@@ -176,14 +185,14 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
                   jax.ShapeDtypeStruct(part_o, jnp.float32),
                   jax.ShapeDtypeStruct(part_lse, jnp.float32))
     static = dict(num_heads=h, softmax_scale=float(scale), num_splits=splits,
-                  has_extra=has_extra, block_n=block_n, num_stages=num_stages,
-                  qk_split=qk_split, ablation=ablation)
+                  has_extra=has_extra, block_n=launch.block_n, num_stages=launch.num_stages,
+                  qk_split=launch.qk_split, ablation=launch.ablation)
     inputs = (q, kv, idx, extra_kv, extra_idx, sink.astype(jnp.float32))
-    if poison is None:
+    if launch.poison is None:
         o, lse, _, _ = cute_call(kernel.sparse_attention_launcher, out_shapes, *inputs,
                                  **static)
     else:
-        buffers = tuple(jnp.full(s.shape, poison, s.dtype) for s in out_shapes)
+        buffers = tuple(jnp.full(s.shape, launch.poison, s.dtype) for s in out_shapes)
         aliases = {len(inputs) + i: i for i in range(len(buffers))}
         o, lse, _, _ = cute_call(kernel.sparse_attention_launcher, out_shapes, *inputs,
                                  *buffers, input_output_aliases=aliases, **static)
@@ -200,12 +209,10 @@ def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
     supports the arguments, else the reference). ``DSV4_IMPLEMENTATION=xla`` forces the
     reference (see ``dsv4_jax.ffi.dispatch``).
     """
-    from .dispatch import cute_or_reference, select_implementation
-
     check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx)
     choice = select_implementation(
         "sparse_attention", implementation,
-        kernel_support(q, kv, idx, extra_kv, extra_idx, scale))
+        _kernel_support(DEFAULT_CONFIG, q, kv, idx, extra_kv, extra_idx, scale))
     reference = functools.partial(sparse_attention_reference, scale=scale)
     if choice == "xla":
         return reference(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx)

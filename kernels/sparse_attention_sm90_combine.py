@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .sparse_attention_sm90_support import HEAD_DIM
+from .sparse_attention_sm90 import HEAD_DIM
 
 
 class SplitCombine:

@@ -1,4 +1,5 @@
-"""DSV4 attention sub-block (spec §2.3): SWA-only, CSA (compressed + indexer) and HCA layers.
+"""DSV4 attention sub-block: SWA-only, CSA (compressed + indexer) and HCA layers
+(docs/architecture.md §3.3-3.6).
 
 Dataflow for a chunk of S tokens per row (positions ``L_b .. L_b + S - 1``):
 
@@ -32,6 +33,7 @@ from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor
 from .layers import (Linear, RMSNorm, act_dtype, dequant_weight, fp8_codes_init,
                      head_rms_norm, normal_init, pow2_scale_init, rope_inv_freq, rope_tail,
                      FP8_CODE_STD)
+from .parallel import batch_parallel
 
 
 def window_indices(lengths: jax.Array, seq: int, window: int) -> jax.Array:
@@ -143,7 +145,7 @@ class Attention(nn.Module):
     def __call__(self, x, lcache: LayerCache, lengths, num_new):
         """x [B,S,d] (normed block input) -> (out [B,S,d], new LayerCache, LayerPending)."""
         cfg = self.cfg
-        ratio = cfg.compress_ratios[self.layer_id]
+        ratio, kind = cfg.compress_ratios[self.layer_id], cfg.layer_kind(self.layer_id)
         b, s, _ = x.shape
         h, c, rd = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
         inv_freq = rope_inv_freq(cfg, compressed=ratio > 0)
@@ -167,17 +169,17 @@ class Attention(nn.Module):
         win_idx = window_indices(lengths, s, w)
 
         pending, sel, table = LayerPending(kv=kv), None, None
-        if ratio:
+        if kind != "swa":
             pending = pending.replace(compressor=Compressor(cfg, ratio, c, name="compressor")(
                 x, lcache.kv_state, lcache.score_state, lengths, num_new, inv_freq))
-            if ratio == 4:
+            if kind == "csa":
                 sel, ichunk = Indexer(cfg, name="indexer")(
                     x, qr, positions, lcache, lengths, num_new, inv_freq)
                 pending = pending.replace(indexer=ichunk)
         new_cache = commit_layer(lcache, pending, lengths, num_new)
-        if ratio:
+        if kind != "swa":
             table = new_cache.compressed                     # this call's entries included
-            if ratio != 4:
+            if kind == "hca":
                 sel = all_entry_indices(positions, ratio, table.shape[1])
 
         sink = self.param("attn_sink", normal_init(0.5), (h,), jnp.float32)
@@ -186,7 +188,6 @@ class Attention(nn.Module):
         if self.mesh is None:
             o = attend(q, pool, win_idx, table, sel, sink)
         else:       # data parallel: every device attends its own rows with local indices
-            from .parallel import batch_parallel
             o, = batch_parallel(lambda *a: (attend(*a),), self.mesh,
                                 (q, pool, win_idx, table, sel), (sink,), 1)
         o = rope_tail(o, positions[..., None], inv_freq, rd, inverse=True)

@@ -1,4 +1,5 @@
-"""Token compressors (spec §2.3.3) and the lightning indexer (§2.3.4) over a chunk of tokens.
+"""Token compressors and the lightning indexer over a chunk of tokens (docs/architecture.md
+§3.4, §3.5).
 
 A call appends ``S`` tokens to every row at its own length ``L_b`` (``n_b <= S`` of them are
 real, the rest padding). The compressor lays the row's saved raw rows and the new tokens out
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 from flax import struct
 
-from dsv4_jax.config import Config
+from dsv4_jax.config import CSA_RATIO, Config, compressor_overlap
 from dsv4_jax import quant
 from .layers import Linear, RMSNorm, act_dtype, normal_init, rope_tail
 
@@ -84,7 +85,7 @@ class Compressor(nn.Module):
     def __call__(self, x, state_kv, state_score, lengths, num_new, inv_freq) -> CompressorChunk:
         """x [B,S,d] -> the chunk's candidate entries and E buffers (see CompressorChunk)."""
         cfg, m, hd = self.cfg, self.ratio, self.head_dim
-        coff = 2 if m == 4 else 1
+        coff = compressor_overlap(m)
         b, s, _ = x.shape
         kv = Linear(cfg, cfg.dim, coff * hd, "f32", name="wkv")(x)           # f32
         score = Linear(cfg, cfg.dim, coff * hd, "f32", name="wgate")(x)
@@ -137,7 +138,7 @@ class Indexer(nn.Module):
         """Returns (top-k entry ids [B,S,k] with -1 for unused, the key compressor's chunk)."""
         cfg = self.cfg
         b, s, _ = x.shape
-        nh, hd, m = cfg.index_n_heads, cfg.index_head_dim, 4
+        nh, hd, m = cfg.index_n_heads, cfg.index_head_dim, CSA_RATIO
         dt = act_dtype(cfg)
         q = Linear(cfg, cfg.q_lora_rank, nh * hd, "fp8", name="wq_b")(qr).reshape(b, s, nh, hd)
         q = rope_tail(q, positions[..., None], inv_freq, cfg.rope_head_dim)

@@ -155,7 +155,8 @@ def head_rms_norm(q: jax.Array, eps: float) -> jax.Array:
 
 # ----------------------------------------------------------------------------- RoPE
 def rope_inv_freq(cfg: Config, compressed: bool) -> np.ndarray:
-    """Per-pair frequencies f_i (i < rope_head_dim/2), with YaRN for compressed layers (§2.0)."""
+    """Per-pair frequencies f_i (i < rope_head_dim/2), with YaRN for compressed layers
+    (docs/architecture.md §3.1)."""
     dim = cfg.rope_head_dim
     base = cfg.compress_rope_theta if compressed else cfg.rope_theta
     original = cfg.original_seq_len if compressed else 0

@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (mHC, spec §2.2, §2.4, §2.6).
+"""Manifold-constrained hyper-connections (mHC, docs/architecture.md §3.2, §3.8).
 
 The residual stream is ``hc_mult`` (= 4) parallel copies ``X [B, S, n, d]``. Per sub-block,
 24 input-dependent mixes come from one f32 GEMM of the flattened streams, scaled by their RMS:

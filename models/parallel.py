@@ -1,6 +1,6 @@
 """The model's collectives on a ``jax.sharding.Mesh`` with axes ``("data", "expert")``.
 
-Layout (the rule table is ``dsv4_jax.sharding.RULES``): activations, the cache and attention
+Layout (the rule table is ``dsv4_jax.mesh_rules.RULES``): activations, the cache and attention
 are data-parallel over *all* devices (batch split over ``data x expert``, no head splitting);
 routed experts are split over ``expert`` (replicated over ``data``); embedding and LM head are
 split over the vocabulary (all devices). Each collective section is a ``jax.shard_map``, so the
@@ -21,12 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-DATA, EXPERT = "data", "expert"
-
-
-def batch_axes(mesh) -> tuple:
-    """Mesh axes the batch (and the vocabulary) is split over: all of them."""
-    return tuple(a for a in (DATA, EXPERT) if a in mesh.axis_names)
+from dsv4_jax.mesh_rules import EXPERT, batch_axes
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):

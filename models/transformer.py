@@ -3,8 +3,8 @@
 ``DSV4.__call__(tokens [B,S], cache)`` appends the tokens of every row at that row's length
 (prefill and decode are the same call) and returns ``(logits, new_cache)``. ``num_new [B]``
 marks how many of the S tokens of each row are real: the rest is padding that changes no
-state. ``DSV4.mtp`` runs the multi-token-prediction block (spec §2.7) on the main model's
-final residual streams.
+state. ``DSV4.mtp`` runs the multi-token-prediction block (docs/architecture.md §3.9) on the
+main model's final residual streams.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax.cache import Cache, LayerCache
+from dsv4_jax.mesh_rules import check_batch
 from .attention import Attention, commit_layer
 from . import parallel
 from .layers import Linear, RMSNorm, act_dtype, matmul_f32, normal_init
@@ -172,7 +173,6 @@ class DSV4(nn.Module):
         num_new = _check_call(cfg, tokens, cache, num_new, logits_at, self.runtime_checks,
                               cache.lengths, "cache.lengths")
         if self.mesh is not None:
-            from dsv4_jax.sharding import check_batch
             check_batch(tokens.shape[0], self.mesh)
         x = self.embed_streams(tokens)
         new_layers, pendings = [], []

@@ -1,7 +1,8 @@
-"""Independent NumPy (float64 unless stated) formulas of the spec, for the component tests.
+"""Independent NumPy (float64 unless stated) formulas of the model, for the component tests.
 
-Written from ``dsv4_spec.md`` directly -- loops and explicit indices rather than the model's
-vectorised layout -- so a shared misunderstanding is unlikely to hide in both.
+Written from the equations of ``docs/architecture.md`` directly -- loops and explicit indices
+rather than the model's vectorised layout -- so a shared misunderstanding is unlikely to hide
+in both.
 """
 import math
 
@@ -69,7 +70,7 @@ def attention_with_sink(q, keys, sink, scale):
 
 
 def compress_prefill(a, z, ape, ratio, overlap):
-    """Pooled (pre-norm) entries of a sequence from position 0, spec §2.3.3.
+    """Pooled (pre-norm) entries of a sequence from position 0, docs/architecture.md §3.4.
 
     a, z: [T, coff*D] raw projections; returns [T // ratio, D].
     """

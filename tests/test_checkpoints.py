@@ -143,7 +143,7 @@ def test_tiny_checkpoint_is_in_the_official_format(ckpt):
     assert len(weight_map) == len(checkpoint_inventory(CFG))
     assert not any(n.startswith("model.") or n.startswith("mtp.0.embed") or n == "mtp.0.head.weight"
                    for n in weight_map)
-    want = {   # name: (dtype, shape) as in the published files (spec §4)
+    want = {   # name: (dtype, shape) as in the published files (docs/architecture.md §6)
         "embed.weight": ("BF16", [1024, 256]), "hc_head_fn": ("F32", [4, 1024]),
         "layers.0.attn.wq_a.weight": ("F8_E4M3", [128, 256]),
         "layers.0.attn.wq_a.scale": ("F8_E8M0", [1, 2]),
@@ -349,7 +349,7 @@ def test_expert_stacking_keeps_expert_order_and_nibble_order(ckpt, loaded):
         want = quant.dequant_fp4_weight(jnp.asarray(w), jnp.asarray(s))
         got = plain[f"layers_{layer}"]["ffn"]["experts"]["w1"]["weight"][e]
         assert np.array_equal(np.asarray(got, np.float32), np.asarray(want))
-        # element 0 is the low nibble of byte 0, element 1 its high nibble (spec §4.4)
+        # element 0 is the low nibble of byte 0, element 1 its high one (docs/architecture.md §5.3)
         b = int(w.view(np.uint8)[0, 0])
         scale0 = float(np.asarray(s[0, 0], np.float32))
         assert float(got[0, 0]) == quant.FP4_CODE_VALUES[b & 0xF] * scale0

@@ -233,7 +233,7 @@ def test_compressor_pooling_against_formula_and_chunking(ratio, seq):
 
 
 def np_attention_layer(p, ratio, x):
-    """Spec §2.3 for one layer, prefill from position 0, float64 loops. x [S, d]."""
+    """docs/architecture.md §3.3-3.6 for one layer, prefill from 0, float64 loops. x [S, d]."""
     s = x.shape[0]
     h, c, g = CFG.n_heads, CFG.head_dim, CFG.o_groups
     freqs = (layers.rope_inv_freq(CFG, ratio > 0)).astype(np.float64)

@@ -7,7 +7,7 @@ import pytest
 import dsv4_jax as dj
 from dsv4_jax.config import Config
 
-FLASH_HF = {   # deepseek-ai/DeepSeek-V4-Flash config.json (April release), spec §1.2-1.3
+FLASH_HF = {   # deepseek-ai/DeepSeek-V4-Flash config.json (April release), docs/architecture.md §2
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
     "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43,
     "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,

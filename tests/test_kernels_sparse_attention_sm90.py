@@ -8,13 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi import dispatch, sparse_attention
-from dsv4_jax.kernels import sparse_attention_sm90_support as support
+from dsv4_jax.kernels import sparse_attention_sm90 as support
+from dsv4_jax.kernels.sparse_attention_sm90 import SparseAttentionSm90Config as Config
 
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
-from dsv4_jax.kernels import sparse_attention_sm90 as kernel  # noqa: E402
+from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel  # noqa: E402
 
 SCALE = 512 ** -0.5
 S = jax.ShapeDtypeStruct
@@ -32,11 +33,12 @@ def _compile(t, h, k, k2, n, m, splits, config):
                fake(f32, (splits, t, h) if splits > 1 else (1,))]
     return cute.compile(kernel.sparse_attention_launcher, make_fake_stream(), *tensors,
                         num_heads=h, softmax_scale=SCALE, num_splits=splits, has_extra=True,
-                        block_n=config[0], num_stages=config[1], qk_split=config[2])
+                        block_n=config.block_n, num_stages=config.num_stages,
+                        qk_split=config.qk_split)
 
 
-VARIANTS = {"single": (1, (64, 2, False)), "split": (6, (48, 3, False)),
-            "qk_split": (1, (64, 2, True))}
+VARIANTS = {"single": (1, Config(64, 2, False)), "split": (6, Config(48, 3, False)),
+            "qk_split": (1, Config(64, 2, True))}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def compiled():
 @pytest.mark.parametrize("variant", ["single", "split", "qk_split"])
 def test_compiles_for_sm90a_with_wgmma(compiled, variant):
     ptx = compiled[variant].artifacts.PTX
-    block_n, _, qk_split = VARIANTS[variant][1]
+    block_n, qk_split = VARIANTS[variant][1].block_n, VARIANTS[variant][1].qk_split
     assert ".target sm_90a" in ptx
     # S = Q K^T: 32 k-steps over the whole block; with QK^T split, each warpgroup's 16
     # (issued at two sites: before the loop and behind the previous block's P.V).
@@ -67,16 +69,18 @@ def test_compiles_for_sm90a_with_wgmma(compiled, variant):
 
 def test_configs_fit_in_shared_memory():
     for config in support.CONFIGS:
-        assert support.smem_bytes(*config) <= support.SMEM_BYTES, config
+        assert config.smem_bytes() <= support.SMEM_BYTES, config
     # QK^T split by default only when the launch has a single split.
-    assert support.normalize_config(None) == (64, 2, True)
-    assert support.normalize_config((64, 2), num_splits=6) == (64, 2, False)
-    assert support.normalize_config((64, 2, False)) == (64, 2, False)
-    assert support.normalize_config((48, 3)) == (48, 3, False)
+    assert support.DEFAULT_CONFIG.resolve() == Config(64, 2, True)
+    assert Config(64, 2).resolve(num_splits=6) == Config(64, 2, False)
+    assert Config(64, 2, False).resolve() == Config(64, 2, False)
+    assert Config(48, 3).resolve() == Config(48, 3, False)
     with pytest.raises(ValueError):
-        support.normalize_config((48, 3, True))   # the exchange buffer would not fit
+        Config(48, 3, True)   # the exchange buffer would not fit
     with pytest.raises(ValueError):
-        support.normalize_config((32, 4))
+        Config(32, 4)
+    with pytest.raises(ValueError):
+        Config(ablation="no_everything")
 
 
 def test_split_variant_has_the_combine_kernel(compiled):
@@ -90,12 +94,13 @@ def test_split_variant_has_the_combine_kernel(compiled):
     (1, 64, 0, 512, 10, 10, False), (1, 64, 128, 512, 0, 10, False),
 ])
 def test_support_predicate(t, h, k, k2, n, m, ok):
-    got, reason = support.is_supported(dtype="bfloat16", head_dim=512, num_heads=h,
-                                       num_tokens=t, window_slots=k, pool_rows=n,
-                                       extra_slots=k2, extra_rows=m)
+    config = support.DEFAULT_CONFIG
+    got, reason = config.is_supported(dtype="bfloat16", head_dim=512, num_heads=h,
+                                      num_tokens=t, window_slots=k, pool_rows=n,
+                                      extra_slots=k2, extra_rows=m)
     assert got == ok and (ok or reason)
-    assert not support.is_supported(dtype="float16", head_dim=512, num_heads=64, num_tokens=1,
-                                    window_slots=1, pool_rows=1)[0]
+    assert not config.is_supported(dtype="float16", head_dim=512, num_heads=64, num_tokens=1,
+                                   window_slots=1, pool_rows=1)[0]
 
 
 def test_split_heuristic_fills_the_machine():

@@ -1,5 +1,9 @@
-"""sparse_attention: reference semantics (CPU), argument errors, and the Hopper kernel vs the
-reference (GPU). Kernel compilation and CUDA lowering on CPU are in test_kernels_*.py."""
+"""sparse_attention: reference semantics (CPU), argument errors, one test body run over every
+implementation (``xla`` on CPU, ``cute`` under the ``gpu`` marker), and the Hopper kernel's
+configurations vs the reference (GPU). Kernel compilation and CUDA lowering on CPU are in
+test_kernels_*.py."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -7,13 +11,21 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi import sparse_attention, sparse_attention_reference
-from dsv4_jax.ffi.sparse_attention import sparse_attention_cute
+from dsv4_jax.ffi.sparse_attention import SparseAttentionSm90Config, sparse_attention_cute
 
 SCALE = 512 ** -0.5
+# Every implementation of the op; the shared tests below run once per entry.
+IMPLEMENTATIONS = ["xla", pytest.param("cute", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request):
+    return request.param
 
 
 def numpy_attention(q, kv, idx, sink, extra_kv=None, extra_idx=None, scale=SCALE):
-    """Independent float64 formula of the contract (spec 2.3.6), one token at a time."""
+    """Independent float64 formula of the contract (docs/architecture.md §8.1), one token at
+    a time."""
     q, kv, sink = (np.asarray(x, np.float64) for x in (q, kv, sink))
     t, h, d = q.shape
     o = np.zeros((t, h, d))
@@ -132,15 +144,7 @@ def test_bad_extra_pool_arguments():
                          extra_idx=jnp.zeros((2, 4), jnp.float32), scale=SCALE)
 
 
-def test_out_of_range_indices_are_unused_on_cpu():
-    c = make_case(3, t=2, h=64, k=4, k2=0, n=3, m=0, empty_token=False)
-    bad = c["idx"].at[:, 0].set(3).at[:, 1].set(2 ** 30)
-    o, lse = sparse_attention(c["q"], c["kv"], bad, c["sink"], scale=SCALE)
-    o2, lse2 = sparse_attention(c["q"], c["kv"], bad.at[:, :2].set(-1), c["sink"], scale=SCALE)
-    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
-
-
-# ---------------------------------------------------------------------------- kernel (GPU)
+# ---------------------------------------------------------------------------- checks
 
 def _relative_error(x, ref):
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
@@ -151,6 +155,11 @@ def _check_against_reference(c, o, lse):
     o_ref, lse_ref = sparse_attention_reference(
         c["q"], c["kv"], c["idx"], c["sink"], extra_kv=c["extra_kv"],
         extra_idx=c["extra_idx"], scale=SCALE)
+    _check_close(o, lse, o_ref, lse_ref)
+
+
+def _check_close(o, lse, o_ref, lse_ref):
+    """bf16-level agreement, per token too; identical empty tokens (o = 0, lse = -inf)."""
     o, lse, o_ref, lse_ref = (np.asarray(x, np.float32) for x in (o, lse, o_ref, lse_ref))
     assert not np.isnan(o).any() and not np.isnan(lse).any(), "NaN (or unwritten poison)"
     assert _relative_error(o, o_ref) < 1e-2, _relative_error(o, o_ref)
@@ -163,29 +172,65 @@ def _check_against_reference(c, o, lse):
     np.testing.assert_allclose(lse[~empty], lse_ref[~empty], rtol=1e-3, atol=1e-2)
 
 
-GPU_CASES = [  # (T, H, K, K2, N, M, logit_scale, holes, (entries per stage, stages, split QK^T))
-    (1, 64, 128, 512, 300, 2000, 1.0, 0.3, (64, 2, False)),       # Flash decode: splits + combine
-    (3, 128, 128, 1024, 500, 5000, 1.0, 0.3, (64, 2, False)),     # Pro decode: both head blocks
-    (8, 64, 128, 0, 1000, 0, 1.0, 0.3, (64, 2, False)),           # window only (no extra pool)
-    (64, 128, 128, 1024, 9000, 70000, 1.0, 0.1, (64, 2, False)),  # Pro T=64: one wave, no split
-    (5, 64, 100, 300, 777, 999, 1.0, 0.3, (64, 2, False)),        # a block straddles both pools
-    (2, 128, 2048, 2048, 4096, 4096, 1.0, 0.3, (64, 2, False)),   # K and K2 at 2048
-    (130, 64, 128, 512, 20000, 20000, 30.0, 0.3, (64, 2, False)), # large logits, two waves
-    (4, 64, 128, 512, 600, 600, 30.0, 0.9, (64, 2, False)),       # mostly unused slots
-    (3, 128, 128, 1024, 500, 5000, 1.0, 0.3, (48, 3, False)),     # 48-entry blocks, 3 stages
-    (5, 64, 100, 300, 777, 999, 1.0, 0.3, (48, 3, False)),
-    (130, 64, 128, 512, 20000, 20000, 30.0, 0.3, (48, 3, False)),
+
+# ---------------------------------------------------------------------------- every implementation
+
+SHARED_CASES = [  # (T, H, K, K2, N, M, logit_scale, holes): shapes every implementation takes
+    (1, 64, 128, 512, 300, 2000, 1.0, 0.3),      # decode with both pools
+    (5, 64, 100, 300, 777, 999, 1.0, 0.3),       # slot counts that are not a block multiple
+    (8, 64, 128, 0, 1000, 0, 1.0, 0.3),          # window only (no extra pool)
+    (4, 128, 128, 512, 600, 600, 30.0, 0.9),     # two head blocks, large logits, mostly unused
+]
+
+
+@pytest.mark.parametrize("t, h, k, k2, n, m, logit_scale, holes", SHARED_CASES)
+def test_op_matches_the_independent_formula(implementation, t, h, k, k2, n, m, logit_scale,
+                                            holes):
+    c = make_case(30 + t + k2, t, h, k, k2, n, m, logit_scale=logit_scale, holes=holes)
+    f = jax.jit(lambda q, kv, i, s, x, xi: sparse_attention(
+        q, kv, i, s, extra_kv=x, extra_idx=xi, scale=SCALE, implementation=implementation))
+    o, lse = f(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"], c["extra_idx"])
+    _check_close(o, lse, *numpy_attention(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"],
+                                          c["extra_idx"]))
+
+
+def test_out_of_range_indices_are_unused(implementation):
+    c = make_case(3, t=2, h=64, k=4, k2=0, n=3, m=0, empty_token=False)
+    bad = c["idx"].at[:, 0].set(3).at[:, 1].set(2 ** 30)
+    o, lse = sparse_attention(c["q"], c["kv"], bad, c["sink"], scale=SCALE,
+                              implementation=implementation)
+    o2, lse2 = sparse_attention(c["q"], c["kv"], bad.at[:, :2].set(-1), c["sink"], scale=SCALE,
+                                implementation=implementation)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(o2))
+
+
+# ---------------------------------------------------------------------------- kernel (GPU)
+
+Sm90 = SparseAttentionSm90Config
+GPU_CASES = [  # (T, H, K, K2, N, M, logit_scale, holes, kernel config (entries per stage,
+               #  stages, split QK^T))
+    (1, 64, 128, 512, 300, 2000, 1.0, 0.3, Sm90(64, 2, False)),      # Flash decode: split + combine
+    (3, 128, 128, 1024, 500, 5000, 1.0, 0.3, Sm90(64, 2, False)),     # Pro decode: both head blocks
+    (8, 64, 128, 0, 1000, 0, 1.0, 0.3, Sm90(64, 2, False)),           # window only (no extra pool)
+    (64, 128, 128, 1024, 9000, 70000, 1.0, 0.1, Sm90(64, 2, False)),  # Pro T=64: one wave, no split
+    (5, 64, 100, 300, 777, 999, 1.0, 0.3, Sm90(64, 2, False)),        # a block straddles both pools
+    (2, 128, 2048, 2048, 4096, 4096, 1.0, 0.3, Sm90(64, 2, False)),   # K and K2 at 2048
+    (130, 64, 128, 512, 20000, 20000, 30.0, 0.3, Sm90(64, 2, False)),  # large logits, 2 waves
+    (4, 64, 128, 512, 600, 600, 30.0, 0.9, Sm90(64, 2, False)),       # mostly unused slots
+    (3, 128, 128, 1024, 500, 5000, 1.0, 0.3, Sm90(48, 3, False)),     # 48-entry blocks, 3 stages
+    (5, 64, 100, 300, 777, 999, 1.0, 0.3, Sm90(48, 3, False)),
+    (130, 64, 128, 512, 20000, 20000, 30.0, 0.3, Sm90(48, 3, False)),
     # QK^T split between the math warpgroups (scores exchanged through smem)
-    (1, 64, 128, 512, 300, 2000, 1.0, 0.3, (64, 2, True)),        # splits: one block each
-    (8, 64, 128, 0, 1000, 0, 1.0, 0.3, (64, 2, True)),
-    (64, 128, 128, 1024, 9000, 70000, 1.0, 0.1, (64, 2, True)),
-    (5, 64, 100, 300, 777, 999, 1.0, 0.3, (64, 2, True)),
-    (2, 128, 2048, 2048, 4096, 4096, 1.0, 0.3, (64, 2, True)),
-    (130, 64, 128, 512, 20000, 20000, 30.0, 0.3, (64, 2, True)),
-    (4, 64, 128, 512, 600, 600, 30.0, 0.9, (64, 2, True)),
+    (1, 64, 128, 512, 300, 2000, 1.0, 0.3, Sm90(64, 2, True)),        # splits: one block each
+    (8, 64, 128, 0, 1000, 0, 1.0, 0.3, Sm90(64, 2, True)),
+    (64, 128, 128, 1024, 9000, 70000, 1.0, 0.1, Sm90(64, 2, True)),
+    (5, 64, 100, 300, 777, 999, 1.0, 0.3, Sm90(64, 2, True)),
+    (2, 128, 2048, 2048, 4096, 4096, 1.0, 0.3, Sm90(64, 2, True)),
+    (130, 64, 128, 512, 20000, 20000, 30.0, 0.3, Sm90(64, 2, True)),
+    (4, 64, 128, 512, 600, 600, 30.0, 0.9, Sm90(64, 2, True)),
     # The op's default: QK^T split without flash-decoding splits, duplicated with them
-    (64, 128, 128, 1024, 9000, 70000, 1.0, 0.1, None),
-    (8, 64, 128, 512, 1000, 2000, 1.0, 0.3, None),
+    (64, 128, 128, 1024, 9000, 70000, 1.0, 0.1, Sm90()),
+    (8, 64, 128, 512, 1000, 2000, 1.0, 0.3, Sm90()),
 ]
 
 
@@ -194,8 +239,8 @@ GPU_CASES = [  # (T, H, K, K2, N, M, logit_scale, holes, (entries per stage, sta
 def test_kernel_matches_reference(t, h, k, k2, n, m, logit_scale, holes, config):
     c = make_case(10 + t + k2, t, h, k, k2, n, m, logit_scale=logit_scale, holes=holes)
     f = jax.jit(lambda q, kv, i, s, x, xi: sparse_attention_cute(
-        q, kv, i, s, extra_kv=x, extra_idx=xi, scale=SCALE, config=config,
-        poison=float("nan")))
+        q, kv, i, s, extra_kv=x, extra_idx=xi, scale=SCALE,
+        config=dataclasses.replace(config, poison=float("nan"))))
     o, lse = f(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"], c["extra_idx"])
     _check_against_reference(c, o, lse)
 

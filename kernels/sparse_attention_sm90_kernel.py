@@ -1,0 +1,572 @@
+"""Sparse MQA attention with a per-head sink for Hopper (sm_90a), in CuTe DSL.
+
+One CTA owns one query token ``t``, one block of 64 heads ``hb`` and one split ``s`` of the
+token's entry list (flash-decoding). The entry list is the concatenation of the ``K`` window
+indices ``idx[t]`` (rows of ``kv``) and the ``K2`` compressed indices ``extra_idx[t]`` (rows of
+``extra_kv``); every index outside its pool is an unused slot.
+
+Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups WG1, WG2):
+
+1. Gather (WG0, 72 registers). ``cp.async`` (16 B per thread, two 256 B row halves per warp
+   instruction) brings Q[t, 64 heads, 512] and then each block of ``block_n`` entries into
+   a 128B-swizzled K-major tile: entry ``j`` is one 1 KB row of ``kv`` or ``extra_kv``; an
+   unused slot fetches row 0 of ``kv`` and is masked through a per-stage validity vector.
+   ``num_stages`` tiles form an mbarrier pipeline (full: the copies of a block landed;
+   empty: both math warpgroups are done with it). Indices are read one block ahead.
+2. S = Q K^T (WGMMA m64 x block_n, A = Q and B = entries from smem), in one of two ways:
+   * split (``qk_split``; the default without flash-decoding splits): math warpgroup w
+     multiplies head_dim slice [256w, 256w + 256) only, stores its fp32 partial block in smem
+     and adds the other's (named barriers: both written, each buffer read), so QK^T is done
+     once. Both warpgroups then hold bitwise-identical scores. The next block's partial QK^T
+     is issued right behind this block's P.V, so the tensor pipe runs the two back to back.
+   * duplicated: each math warpgroup computes the whole block's scores (QK^T done twice)
+     and the two never exchange anything; their GEMM issues are ordered ping-pong (named
+     barriers), so one warpgroup's softmax overlaps the other's GEMMs. Faster when each CTA
+     has only a few blocks (flash-decoding splits).
+3. Online softmax in the log2 domain, rows complete inside each warpgroup (both compute the
+   same statistics). P = 2^(s - m) is cast to bf16 (the reference's numerics) straight into
+   the A-operand registers of the next GEMM (the WGMMA C and A register layouts line up for
+   16-bit types).
+4. O += P V (WGMMA, A = P from registers, B = the same entry tile viewed MN-major: keys are
+   values). Math warpgroup w owns output columns [256w, 256w + 256): 64 x 256 fp32.
+5. Epilogue. Without a split the sink joins the denominator and ``o`` (bf16) and ``lse`` are
+   written. With ``num_splits > 1`` each CTA writes its split's normalised fp32 partial and
+   its lse, and a second kernel launched by the same launcher merges the splits. Output
+   tiles go through the (then idle) stage buffers so that global stores are 16 B chunks.
+
+Constraints:
+* sm_90a (WGMMA, setmaxnreg, cp.async); bf16 only; head_dim == 512.
+* num_heads a multiple of 64 (64 heads per CTA; H=128 runs two CTAs per token, which read the
+  same entries, the second mostly from L2).
+* K >= 1 window slots; K2 >= 0 extra slots; pools of at least one row each; int32 indices.
+* (block_n, num_stages, qk_split) in ``sparse_attention_sm90.CONFIGS``: the stages, Q and
+  (split) the 2 x 64 x block_n fp32 score exchange fit in 227 KB of smem; split QK^T needs
+  head_dim / 16 even.
+* Any number of tokens T <= 65535; the entry list is processed in blocks (tail masked).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr, pipeline
+from cutlass._mlir.dialects import nvvm
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from .sparse_attention_sm90_combine import SplitCombine
+from .sparse_attention_sm90 import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
+                                    SparseAttentionSm90Config)
+
+NUM_THREADS = 384               # producer warpgroup + two math warpgroups
+PRODUCER_REGS, MATH_REGS = 72, 216
+# setmaxnreg.inc blocks until the registers released by .dec are free: the CTA holds
+# 384 x 168 at launch, so producer + 2 x math must stay within 3 x 168 (64/224 hangs). Below
+# 72 the producer spills with dynamic shapes; 216 is enough for the math warpgroups.
+assert PRODUCER_REGS + 2 * MATH_REGS <= 3 * (65536 // NUM_THREADS // 8 * 8)
+ORDER_BARRIER = 1               # named barriers 1 and 2: GEMM issue turns of WG1 and WG2
+JOIN_BARRIER = 3                # both math warpgroups done with the stages
+STORE_BARRIER = 4               # 4 and 5: a math warpgroup's output tile is staged
+FULL_BARRIER = 6                # split QK^T: both partial score blocks are in smem
+EMPTY_BARRIER = 7               # 7 and 8: warpgroup w's exchange buffer was read
+LOG2_E = 1.4426950408889634
+LN_2 = 0.6931471805599453
+
+
+@dsl_user_op
+def cp_async_arrive(mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``cp.async.mbarrier.arrive``: +1 pending on the barrier now, -1 once this thread's
+    earlier cp.async copies have landed. Paired with an ordinary (release) arrive, the
+    barrier phase then covers the copies and this thread's ordinary smem stores."""
+    nvvm.cp_async_mbarrier_arrive(mbar_ptr.to_llvm_ptr(loc=loc, ip=ip), noinc=False,
+                                  loc=loc, ip=ip)
+
+
+class SparseAttentionSm90(SplitCombine):
+    """Static configuration of one compiled kernel (see the module docstring)."""
+
+    def __init__(self, num_heads: int, softmax_scale: float, num_splits: int = 1,
+                 has_extra: bool = True, ablation: str = "", block_n: int = 64,
+                 num_stages: int = 2, qk_split: bool = False):
+        # raises ValueError for a configuration (or ablation) the kernel does not offer
+        config = SparseAttentionSm90Config(block_n, num_stages, qk_split, ablation)
+        assert config.smem_bytes() <= SMEM_BYTES
+        self.qk_split = qk_split
+        self.ablation = ablation
+        self.num_heads = num_heads
+        self.num_head_blocks = num_heads // HEAD_BLOCK
+        self.scale_log2 = float(softmax_scale) * LOG2_E
+        self.num_splits = num_splits
+        self.has_extra = has_extra
+        self.block_n = block_n
+        self.num_stages = num_stages
+        self.dtype = cutlass.BFloat16
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
+                 mXKV: cute.Tensor, mXIdx: cute.Tensor, mSink: cute.Tensor,
+                 mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor,
+                 mLsePart: cute.Tensor, stream: cuda.CUstream):
+        bn, stages = self.block_n, self.num_stages
+        # S = Q K^T: 64 heads x block_n entries, K = head_dim, both operands from smem.
+        tiled_mma_s = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (1, 1, 1), (HEAD_BLOCK, bn))
+        # O += P V: 64 heads x 256 columns, K = entries; P from registers, V = the entry
+        # tile read MN-major (head_dim contiguous), so keys and values share one smem tile.
+        tiled_mma_o = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (1, 1, 1), (HEAD_BLOCK, HEAD_DIM // 2), warpgroup.OperandSource.RMEM)
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (HEAD_BLOCK, bn, HEAD_DIM), self.dtype, 1)
+        # Entries as S's B operand: (N = entries, K = head_dim), K-major ...
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (HEAD_BLOCK, bn, HEAD_DIM), self.dtype, stages)
+        # ... and the same bytes as O's B operand: (N = head_dim, K = entries), MN-major. Both
+        # tile a 128B-swizzled 8 x 64 atom entries-first, so sV(d, n) == sK(n, d).
+        sV_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (HEAD_BLOCK, HEAD_DIM, bn), self.dtype, stages)
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, 2 * stages]
+            sValid: cute.struct.MemRange[Int32, bn * stages]
+            sQ: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            # Split QK^T: each math warpgroup's fp32 partial score block.
+            sX: cute.struct.Align[cute.struct.MemRange[
+                Float32, 2 * HEAD_BLOCK * bn if self.qk_split else 4], 128]
+
+        self.shared_storage = SharedStorage
+        num_tokens = mQ.shape[0]
+        self.kernel(mQ, mKV, mIdx, mXKV, mXIdx, mSink, mO, mLse, mOPart, mLsePart,
+                    tiled_mma_s, tiled_mma_o, sQ_layout, sK_layout, sV_layout).launch(
+            grid=[self.num_splits, self.num_head_blocks, num_tokens],
+            block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+        if const_expr(self.num_splits > 1):
+            rows = num_tokens * self.num_heads
+            self.combine_kernel(mSink, mO, mLse, mOPart, mLsePart).launch(
+                grid=[(rows + 3) // 4, 1, 1], block=[128, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
+               mXKV: cute.Tensor, mXIdx: cute.Tensor, mSink: cute.Tensor, mO: cute.Tensor,
+               mLse: cute.Tensor, mOPart: cute.Tensor, mLsePart: cute.Tensor,
+               tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
+               sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+               sV_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, hb, t = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        bn = self.block_n
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(cute.slice_(sQ_layout.outer, (None, None, 0)),
+                                   swizzle=sQ_layout.inner)
+        sK = storage.sKV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = cute.make_tensor(cute.recast_ptr(sK.iterator, sV_layout.inner), sV_layout.outer)
+        sValid = storage.sValid.get_tensor(cute.make_layout((bn, self.num_stages)))
+        kv_pipe = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 256))
+
+        num_window = mIdx.shape[1]
+        num_extra = Int32(0)
+        if const_expr(self.has_extra):
+            num_extra = mXIdx.shape[1]
+        num_blocks = (num_window + num_extra + bn - 1) // bn
+        per_split = (num_blocks + self.num_splits - 1) // self.num_splits
+        blk_begin = split * per_split
+        n_local = cutlass.max(cutlass.min(blk_begin + per_split, num_blocks) - blk_begin, 0)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            self.produce(mQ, mKV, mIdx, mXKV, mXIdx, t, hb, blk_begin, n_local, num_window,
+                         num_extra, sQ, sK, sValid, kv_pipe, tidx)
+        else:
+            cute.arch.setmaxregister_increase(MATH_REGS)
+            self.consume(mSink, mO, mLse, mOPart, mLsePart, t, hb, split, n_local, wg - 1,
+                         tidx % 128, sQ, sK, sV, sValid, kv_pipe, tiled_mma_s, tiled_mma_o,
+                         storage.sKV.data_ptr(), storage.sX.data_ptr())
+
+    @cute.jit
+    def produce(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
+                mXKV: cute.Tensor, mXIdx: cute.Tensor, t: Int32, hb: Int32, blk_begin: Int32,
+                n_local: Int32, num_window: Int32, num_extra: Int32, sQ: cute.Tensor,
+                sK: cute.Tensor, sValid: cute.Tensor, kv_pipe: pipeline.PipelineAsync,
+                tidx: Int32):
+        """WG0: gather Q and the entry blocks with cp.async into the pipeline stages."""
+        bn = self.block_n
+        atom_cp = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.dtype,
+            num_bits_per_copy=128)
+        # A warp instruction covers two 256 B row halves; thread (warp w, lane l) copies rows
+        # 2 (w + 4 i) + l // 16 and 16 B chunks l % 16 + 16 c of them.
+        warp = tidx // 32
+        lane = tidx % 32
+        row0 = 2 * warp + lane // 16
+        chunk0 = lane % 16
+        sK_vec = cute.flat_divide(sK, (1, 8))[0, None, None, None, None]
+        sQ_vec = cute.flat_divide(sQ, (1, 8))[0, None, None, None]
+
+        q_base = mQ.iterator.toint() + (t * self.num_heads + hb * HEAD_BLOCK).to(Int64) * (
+            HEAD_DIM * 2)
+        for i in cutlass.range_constexpr(HEAD_BLOCK // 8):
+            row = row0 + 8 * i
+            for c in cutlass.range_constexpr(4):
+                chunk = chunk0 + 16 * c
+                self.copy16(atom_cp, q_base + (row * HEAD_DIM + chunk * 8).to(Int64) * 2,
+                            sQ_vec[None, row, chunk])
+
+        rIdx = cute.make_rmem_tensor((bn // 8,), Int32)
+        rXIdx = cute.make_rmem_tensor((bn // 8,), Int32)
+        self.read_indices(mIdx, mXIdx, t, blk_begin, num_window, num_extra, row0, rIdx, rXIdx)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.num_stages)
+        kv_base = mKV.iterator.toint()
+        for j in cutlass.range(n_local, unroll=1):
+            kv_pipe.producer_acquire(state)
+            stage = state.index
+            blk = blk_begin + j
+            issue = True
+            if const_expr(self.ablation == "no_gather"):
+                issue = j < self.num_stages
+            for i in cutlass.range_constexpr(bn // 8):
+                row = row0 + 8 * i
+                pos = blk * bn + row
+                g = rIdx[i]
+                valid = pos < num_window and g >= 0 and g < mKV.shape[0]
+                addr = kv_base + (g.to(Int64) * (HEAD_DIM * 2) if valid else Int64(0))
+                if const_expr(self.has_extra):
+                    gx = rXIdx[i]
+                    xvalid = (pos >= num_window and pos < num_window + num_extra and gx >= 0
+                              and gx < mXKV.shape[0])
+                    if xvalid:
+                        addr = mXKV.iterator.toint() + gx.to(Int64) * (HEAD_DIM * 2)
+                    valid = valid or xvalid
+                if chunk0 == 0:
+                    sValid[row, stage] = Int32(1) if valid else Int32(0)
+                if issue:
+                    for c in cutlass.range_constexpr(4):
+                        chunk = chunk0 + 16 * c
+                        self.copy16(atom_cp, addr + (chunk * 16).to(Int64),
+                                    sK_vec[None, row, chunk, stage])
+            # The barrier phase completes once every producer thread's copies landed and its
+            # validity stores are released.
+            cp_async_arrive(kv_pipe.producer_get_barrier(state))
+            kv_pipe.producer_commit(state)
+            state.advance()
+            self.read_indices(mIdx, mXIdx, t, blk + 1, num_window, num_extra, row0,
+                              rIdx, rXIdx)
+        # Q rides with block 0; without blocks the copies must still land before exit.
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def copy16(self, atom: cute.CopyAtom, addr: Int64, dst: cute.Tensor):
+        src = cute.make_tensor(
+            cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((8,)))
+        cute.copy(atom, src, dst)
+
+    @cute.jit
+    def read_indices(self, mIdx: cute.Tensor, mXIdx: cute.Tensor, t: Int32, blk: Int32,
+                     num_window: Int32, num_extra: Int32, row0: Int32, rIdx: cute.Tensor,
+                     rXIdx: cute.Tensor):
+        """Pool indices of this thread's rows of block ``blk`` (reads clamped in bounds)."""
+        for i in cutlass.range_constexpr(self.block_n // 8):
+            pos = blk * self.block_n + row0 + 8 * i
+            rIdx[i] = mIdx[t, cutlass.min(pos, num_window - 1)]
+            if const_expr(self.has_extra):
+                xpos = cutlass.max(cutlass.min(pos - num_window, num_extra - 1), 0)
+                rXIdx[i] = mXIdx[t, xpos]
+
+    @cute.jit
+    def consume(self, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
+                mOPart: cute.Tensor, mLsePart: cute.Tensor, t: Int32, hb: Int32, split: Int32,
+                n_local: Int32, half: Int32, wg_tidx: Int32, sQ: cute.Tensor, sK: cute.Tensor,
+                sV: cute.Tensor, sValid: cute.Tensor, kv_pipe: pipeline.PipelineAsync,
+                tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
+                staging: cute.Pointer, exchange: cute.Pointer):
+        """WG1/WG2: S, online softmax and P.V for output columns [256 half, +256)."""
+        bn = self.block_n
+        thr_mma_s = tiled_mma_s.get_slice(wg_tidx)
+        tSrQ = tiled_mma_s.make_fragment_A(thr_mma_s.partition_A(sQ))
+        tSrK = tiled_mma_s.make_fragment_B(thr_mma_s.partition_B(sK))
+        acc_s = thr_mma_s.make_fragment_C(thr_mma_s.partition_shape_C((HEAD_BLOCK, bn)))
+        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((HEAD_BLOCK, bn)))
+
+        thr_mma_o = tiled_mma_o.get_slice(wg_tidx)
+        sV_mine = cute.flat_divide(sV, (HEAD_DIM // 2, bn))[None, None, half, 0, None]
+        tOrV = tiled_mma_o.make_fragment_B(thr_mma_o.partition_B(sV_mine))
+        tOrP = tiled_mma_o.make_fragment_A(thr_mma_o.partition_shape_A((HEAD_BLOCK, bn)))
+        # P written through S's accumulator layout: for 16-bit A operands the C and A register
+        # layouts enumerate the same (row, column) in the same order.
+        tOrP_as_s = cute.make_tensor(tOrP.iterator, acc_s.layout)
+        acc_o = thr_mma_o.make_fragment_C(thr_mma_o.partition_shape_C((HEAD_BLOCK,
+                                                                       HEAD_DIM // 2)))
+        acc_o.fill(0.0)
+
+        # Each thread holds two rows of the accumulators: element i sits on row slot
+        # (i // 2) % 2 of a ((2, 2, V), 1, 1) fragment.
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        # Split QK^T: warpgroup `half` multiplies head_dim slice [256 half, +256) only.
+        num_k = cute.size(tSrQ, mode=[2])
+        k_first = 0
+        if const_expr(self.qk_split):
+            num_k = num_k // 2
+            k_first = half * num_k
+            tiled_mma_s.set(warpgroup.Field.ACCUMULATE, True)   # see issue_qk
+        mine, other = ORDER_BARRIER + half, ORDER_BARRIER + 1 - half
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             self.num_stages)
+        if const_expr(self.qk_split):
+            if n_local > 0:
+                self.issue_qk(kv_pipe, state, tiled_mma_s, acc_s, tSrQ, tSrK, k_first, num_k)
+        elif half == 1 and n_local > 0:   # ping-pong: WG1 issues first
+            cute.arch.barrier_arrive(barrier_id=other, number_of_threads=256)
+        for j in cutlass.range(n_local, unroll=1):
+            stage = state.index
+            if const_expr(self.qk_split):
+                warpgroup.wait_group(0)   # this block's partial scores (issued earlier)
+                if const_expr(self.ablation == "no_qk"):
+                    acc_s.fill(0.0)
+                self.exchange_scores(acc_s, exchange, half, wg_tidx, j, n_local)
+            else:
+                cute.arch.barrier(barrier_id=mine, number_of_threads=256)
+                self.issue_qk(kv_pipe, state, tiled_mma_s, acc_s, tSrQ, tSrK, k_first, num_k)
+                # The other warpgroup may issue its GEMMs now (not after our last block).
+                if half == 0 or j + 1 < n_local:
+                    cute.arch.barrier_arrive(barrier_id=other, number_of_threads=256)
+                warpgroup.wait_group(0)
+                if const_expr(self.ablation == "no_qk"):
+                    acc_s.fill(0.0)
+
+            if const_expr(self.ablation == "no_softmax"):
+                tOrP_as_s.store(acc_s.load().to(self.dtype))
+            else:
+                self.online_softmax(acc_s, acc_o, tOrP_as_s, tScS, sValid, stage, row_max,
+                                    row_sum)
+            if const_expr(self.ablation != "no_pv"):
+                warpgroup.fence()
+                tiled_mma_o.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(tiled_mma_o, acc_o, tOrP[None, None, k],
+                              tOrV[None, None, k, stage], acc_o)
+                warpgroup.commit_group()
+            if const_expr(self.qk_split):
+                # The next block's QK^T queues right behind this P.V (acc_s is free once P
+                # is in registers), so the tensor pipe runs the two back to back. Measured
+                # (H200) against issuing it after this block's release, or only when the
+                # next block has already landed: this order was fastest.
+                nxt = state.clone()
+                nxt.advance()
+                if j + 1 < n_local:
+                    self.issue_qk(kv_pipe, nxt, tiled_mma_s, acc_s, tSrQ, tSrK, k_first,
+                                  num_k)
+                    warpgroup.wait_group(1)   # P.V done (groups retire in order)
+                else:
+                    warpgroup.wait_group(0)
+            else:
+                warpgroup.wait_group(0)
+            kv_pipe.consumer_release(state)
+            state.advance()
+
+        # Both math warpgroups are past their last GEMM: the stages can hold the output.
+        cute.arch.barrier(barrier_id=JOIN_BARRIER, number_of_threads=256)
+        self.epilogue(mSink, mO, mLse, mOPart, mLsePart, t, hb, split, half, wg_tidx,
+                      thr_mma_o, acc_o, tScS, row_max, row_sum, staging)
+
+    @cute.jit
+    def issue_qk(self, kv_pipe: pipeline.PipelineAsync, state: pipeline.PipelineState,
+                 tiled_mma_s: cute.TiledMma, acc_s: cute.Tensor, tSrQ: cute.Tensor,
+                 tSrK: cute.Tensor, k_first: Int32, num_k: cutlass.Constexpr):
+        """Wait for the block in ``state``'s stage and issue S = Q K^T over k-blocks
+        [k_first, k_first + num_k) (one commit group; the caller waits)."""
+        kv_pipe.consumer_wait(state)
+        # cp.async writes are generic-proxy stores; WGMMA reads smem through the async proxy.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        if const_expr(self.ablation != "no_qk"):
+            if const_expr(self.qk_split):
+                # Zeroed, then accumulated into: the MMA's ACCUMULATE field may not change
+                # inside the branches this is called from (staged values cannot escape).
+                acc_s.fill(0.0)
+            else:
+                tiled_mma_s.set(warpgroup.Field.ACCUMULATE, False)
+            warpgroup.fence()
+            for k in cutlass.range_constexpr(num_k):
+                cute.gemm(tiled_mma_s, acc_s, tSrQ[None, None, k_first + k],
+                          tSrK[None, None, k_first + k, state.index], acc_s)
+                if const_expr(not self.qk_split):
+                    tiled_mma_s.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+
+    @cute.jit
+    def exchange_scores(self, acc_s: cute.Tensor, exchange: cute.Pointer, half: Int32,
+                        wg_tidx: Int32, j: Int32, n_local: Int32):
+        """Split QK^T: add the other warpgroup's partial scores to ours, through smem.
+
+        Thread i of both warpgroups holds the same (row, column) elements, so each thread
+        trades 16 B chunks with its twin (a warp covers 512 contiguous bytes: no bank
+        conflicts). Both sides compute p0 + p1 (fp32 addition commutes), so the two
+        warpgroups see bitwise identical scores and keep identical softmax statistics."""
+        n_s = cute.size(acc_s)
+        # Buffer w: n_s / 4 rows of 128 threads x 16 B; thread i's chunk c at row c, slot i.
+        region = exchange.toint() + wg_tidx * 16
+        acc_vec = cute.make_tensor(acc_s.iterator, cute.make_layout((4, n_s // 4)))
+        if j > 0:   # the other warpgroup has read our previous block
+            cute.arch.barrier(barrier_id=EMPTY_BARRIER + half, number_of_threads=256)
+        for c in cutlass.range_constexpr(n_s // 4):
+            self.chunk(region + (half * n_s // 4 + c) * 128 * 16).store(
+                acc_vec[None, c].load())
+        cute.arch.barrier(barrier_id=FULL_BARRIER, number_of_threads=256)
+        for c in cutlass.range_constexpr(n_s // 4):
+            theirs = self.chunk(region + ((1 - half) * n_s // 4 + c) * 128 * 16).load()
+            acc_vec[None, c].store(acc_vec[None, c].load() + theirs)
+        if j + 1 < n_local:   # its buffer is free for the next block
+            cute.arch.barrier_arrive(barrier_id=EMPTY_BARRIER + 1 - half,
+                                     number_of_threads=256)
+
+    @cute.jit
+    def chunk(self, addr: Int32) -> cute.Tensor:
+        """Four fp32 at a 16 B aligned smem address (one vector access)."""
+        return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem,
+                                              assumed_align=16), cute.make_layout((4,)))
+
+    @cute.jit
+    def online_softmax(self, acc_s: cute.Tensor, acc_o: cute.Tensor, tOrP_as_s: cute.Tensor,
+                       tScS: cute.Tensor, sValid: cute.Tensor, stage: Int32,
+                       row_max: cute.Tensor, row_sum: cute.Tensor):
+        """Mask, update the running max and sum, write P (bf16) and rescale O."""
+        n_s = cute.size(acc_s)
+        for i in cutlass.range_constexpr(n_s):
+            valid = sValid[tScS[i][1], stage] != 0
+            acc_s[i] = acc_s[i] * self.scale_log2 if valid else -Float32.inf
+        scale_prev = cute.make_rmem_tensor((2,), Float32)
+        use_max = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            mx = row_max[r]
+            for i in cutlass.range_constexpr(n_s):
+                if const_expr((i // 2) % 2 == r):
+                    mx = cute.arch.fmax(mx, acc_s[i])
+            # The 4 lanes of a quad hold the same two rows.
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            # A row with nothing attended yet keeps max -inf: shift by 0 so that
+            # 2^(-inf - 0) = 0 instead of NaN.
+            use_max[r] = mx if mx != -Float32.inf else Float32(0.0)
+            scale_prev[r] = cute.math.exp2(row_max[r] - use_max[r], fastmath=True)
+            row_max[r] = mx
+            row_sum[r] = row_sum[r] * scale_prev[r]
+        for i in cutlass.range_constexpr(n_s):
+            p = cute.math.exp2(acc_s[i] - use_max[(i // 2) % 2], fastmath=True)
+            row_sum[(i // 2) % 2] = row_sum[(i // 2) % 2] + p
+            tOrP_as_s[i] = p.to(self.dtype)
+        # Skip the O rescale when no row of this warp got a new max (the usual case late in
+        # the list); the vote keeps the branch warp-uniform.
+        changed = scale_prev[0] != Float32(1.0) or scale_prev[1] != Float32(1.0)
+        if cute.arch.vote_any_sync(changed):
+            for i in cutlass.range(cute.size(acc_o), unroll_full=True):
+                acc_o[i] = acc_o[i] * scale_prev[(i // 2) % 2]
+
+    @cute.jit
+    def epilogue(self, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
+                 mOPart: cute.Tensor, mLsePart: cute.Tensor, t: Int32, hb: Int32,
+                 split: Int32, half: Int32, wg_tidx: Int32, thr_mma_o: cute.ThrMma,
+                 acc_o: cute.Tensor, tScS: cute.Tensor, row_max: cute.Tensor,
+                 row_sum: cute.Tensor, staging: cute.Pointer):
+        """Normalise (with the sink when unsplit) and store o/lse or the split's partials."""
+        head0 = hb * HEAD_BLOCK
+        rows = (tScS[0][0], tScS[2][0])
+        inv = cute.make_rmem_tensor((2,), Float32)
+        lse = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            total = row_sum[r]
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+            denom = total
+            if const_expr(self.num_splits == 1):
+                sink_log2 = mSink[head0 + rows[r]] * LOG2_E
+                denom = total + cute.math.exp2(sink_log2 - row_max[r], fastmath=True)
+            inv[r] = Float32(1.0) / denom if total > 0.0 else Float32(0.0)
+            lse[r] = ((row_max[r] + cute.math.log2(total, fastmath=True)) * LN_2
+                      if total > 0.0 else -Float32.inf)
+        tOcO = thr_mma_o.partition_C(cute.make_identity_tensor((HEAD_BLOCK, HEAD_DIM // 2)))
+        col0 = half * (HEAD_DIM // 2)
+        lane = cute.arch.lane_idx()
+        row0 = (t * self.num_heads + head0).to(Int64)
+        if const_expr(self.num_splits == 1):
+            self.store_tile(acc_o, tOcO, inv, staging, half, wg_tidx, mO.element_type,
+                            mO.iterator.toint() + (row0 * HEAD_DIM + col0) * 2)
+            if half == 0 and lane % 4 == 0:
+                for r in cutlass.range_constexpr(2):
+                    mLse[t, head0 + rows[r]] = lse[r]
+        else:
+            part_row0 = (split * mO.shape[0] * self.num_heads).to(Int64) + row0
+            self.store_tile(acc_o, tOcO, inv, staging, half, wg_tidx, Float32,
+                            mOPart.iterator.toint() + (part_row0 * HEAD_DIM + col0) * 4)
+            if half == 0 and lane % 4 == 0:
+                for r in cutlass.range_constexpr(2):
+                    mLsePart[split, t, head0 + rows[r]] = lse[r]
+
+    @cute.jit
+    def store_tile(self, acc_o: cute.Tensor, tOcO: cute.Tensor, inv: cute.Tensor,
+                   staging: cute.Pointer, half: Int32, wg_tidx: Int32, dtype: cutlass.Constexpr,
+                   dst_addr: Int64):
+        """Write this warpgroup's 64 x 256 output tile (row stride head_dim) at ``dst_addr``:
+        scaled accumulators go to smem (16 B chunks XOR-swizzled by row against bank
+        conflicts), then every thread stores whole 16 B chunks, a warp covering 512 B."""
+        width = HEAD_DIM // 2
+        per_chunk = 16 // (dtype.width // 8)
+        chunks = width // per_chunk
+        region = staging.toint() + half * (HEAD_BLOCK * width * (dtype.width // 8))
+        sO = cute.make_tensor(cute.make_ptr(dtype, region, cute.AddressSpace.smem,
+                                            assumed_align=1024),
+                              cute.make_layout((HEAD_BLOCK * width,)))
+        for i in cutlass.range(cute.size(acc_o), unroll_full=True):
+            r, c = tOcO[i][0], tOcO[i][1]
+            swizzled = ((c // per_chunk) ^ (r % 8)) * per_chunk + c % per_chunk
+            sO[r * width + swizzled] = (acc_o[i] * inv[(i // 2) % 2]).to(dtype)
+        cute.arch.barrier(barrier_id=STORE_BARRIER + half, number_of_threads=128)
+        for k in cutlass.range_constexpr(HEAD_BLOCK * chunks // 128):
+            flat = k * 128 + wg_tidx
+            r, c = flat // chunks, flat % chunks
+            src = cute.make_tensor(
+                cute.make_ptr(dtype, region + (r * width + (c ^ (r % 8)) * per_chunk) * (
+                    dtype.width // 8), cute.AddressSpace.smem, assumed_align=16),
+                cute.make_layout((per_chunk,)))
+            dst = cute.make_tensor(
+                cute.make_ptr(dtype, dst_addr + ((r * HEAD_DIM + c * per_chunk) * (
+                    dtype.width // 8)).to(Int64), cute.AddressSpace.gmem, assumed_align=16),
+                cute.make_layout((per_chunk,)))
+            dst.store(src.load())
+
+
+@cute.jit
+def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Tensor,
+                              idx: cute.Tensor, extra_kv: cute.Tensor, extra_idx: cute.Tensor,
+                              sink: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                              o_part: cute.Tensor, lse_part: cute.Tensor, *,
+                              num_heads: cutlass.Constexpr, softmax_scale: cutlass.Constexpr,
+                              num_splits: cutlass.Constexpr, has_extra: cutlass.Constexpr,
+                              block_n: cutlass.Constexpr = DEFAULT_CONFIG.block_n,
+                              num_stages: cutlass.Constexpr = DEFAULT_CONFIG.num_stages,
+                              qk_split: cutlass.Constexpr = False,
+                              ablation: cutlass.Constexpr = ""):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+    SparseAttentionSm90(num_heads, softmax_scale, num_splits, has_extra, ablation, block_n,
+                        num_stages, qk_split)(q, kv, idx, extra_kv, extra_idx, sink, o, lse,
+                                              o_part, lse_part, stream)
+
+
+__all__ = ["SparseAttentionSm90", "sparse_attention_launcher"]
