@@ -1,4 +1,4 @@
-"""The routed experts on Hopper: the JAX side of ``kernels/moe_sm90.py``.
+"""The routed experts on Hopper: the JAX side of ``kernels/moe_sm90_kernel.py``.
 
 ``expert_rows_sm90`` computes what ``ffi.moe``'s reference computes for assignment rows,
 with two launches of the grouped expert GEMM:
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.kernels.moe_sm90_support import (MoeGemmSm90Config, choose_config,
+from dsv4_jax.kernels.moe_sm90 import (MoeGemmSm90Config, choose_config,
                                                num_tile_slots)
 
 __all__ = ["expert_rows_sm90", "sm90_support", "moe_schedule", "weight_format",
@@ -109,7 +109,7 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
     -> [A, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue). Rows
     outside every tile are left unwritten."""
     from .cute_call import cute_call   # first: pins CUTE_DSL_ARCH before cutlass loads
-    from dsv4_jax.kernels import moe_sm90 as kernel
+    from dsv4_jax.kernels import moe_sm90_kernel as kernel
 
     _, tile_expert, tile_row0, tile_rows = schedule
     fmt = weight_format(weight, scale)

@@ -10,13 +10,13 @@ import jax.numpy as jnp
 
 from dsv4_jax import quant
 from dsv4_jax.ffi import moe_sm90
-from dsv4_jax.kernels import moe_sm90_support as support
+from dsv4_jax.kernels import moe_sm90 as support
 
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
-from dsv4_jax.kernels import moe_sm90 as kernel  # noqa: E402
+from dsv4_jax.kernels import moe_sm90_kernel as kernel  # noqa: E402
 
 
 def _prmt(a: int, b: int, selector: int) -> int:

@@ -11,7 +11,7 @@ from dsv4_jax.ffi import dispatch, moe as moe_op
 from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
-MOE_KERNEL = "MoeGemmSm90"      # the kernel class of kernels/moe_sm90.py, named in its ELF
+MOE_KERNEL = "MoeGemmSm90"      # the kernel class of kernels/moe_sm90_kernel.py, named in its ELF
 BATCH = 2
 
 

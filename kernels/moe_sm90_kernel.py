@@ -1,0 +1,473 @@
+"""Grouped expert GEMM on FP4 / FP8 / BF16 expert weights for Hopper (sm_90a), in CuTe DSL.
+
+One launch multiplies token rows, sorted by expert, by their experts' weight matrices:
+
+    out[r, n] = sum_k W_e[n, k] * x[r, k]        for every row r of a tile of expert e
+
+with the weights kept in their storage format in HBM (packed FP4 e2m1 + E8M0 1x32 scales,
+FP8 e4m3 + E8M0 128x128 scales, or BF16) and dequantised in shared memory, never in HBM.
+``gated`` launches multiply by two matrices (w1, w3) at once and apply the DSV4 SwiGLU in
+the epilogue: ``h = bf16(rw[r] * silu(min(g, l)) * clamp(u, -l, l))`` with
+``g = bf16(x.w1)``, ``u = bf16(x.w3)`` (the reference's rounding points), so the
+intermediate never exists unactivated in HBM.
+
+Work split ("swap AB"): weights are the WGMMA M operand (64 weight rows per tile), tokens the
+N operand (``block_n`` rows), so a decode tile of one token row wastes no tensor-core work
+on padding rows. Grid: (output features / 64, row-tile slots); a slot whose expert id is
+negative (the schedule's static worst case exceeds the real tiles) exits at once.
+
+Dataflow (256 threads: a producer warpgroup WG0 and a math warpgroup WG1):
+
+1. WG0 issues ``cp.async`` for each K block of 128: the raw weight bytes of the tile's 64
+   rows (per matrix), their scale bytes (4 B), and the ``block_n`` token rows (bf16) into a
+   128B-swizzled K-major tile; ``num_stages`` stages form an mbarrier pipeline.
+2. WG1 waits for a stage and converts the raw bytes to BF16 into a double-buffered,
+   swizzled A tile: FP4 codes look their bf16 bytes up with byte permutes and are
+   multiplied by the E8M0 scale; FP8 codes are shifted into bf16 bits times 2^-120 and
+   multiplied back and by the scale -- both exact. It then issues the WGMMAs for that stage
+   (f32 accumulators) asynchronously, so the conversion of stage j + 1 overlaps the
+   tensor-core work of stage j.
+3. Epilogue: bf16 outputs (SwiGLU and routing weight when gated), rows past the tile's row
+   count are not written.
+
+Measured (H200, docs/performance.md): the conversion in the one math warpgroup bounds the
+decode launches (removing it halves their time; removing the loads changes nothing).
+
+Constraints: sm_90a; x bf16 [A, K]; K a multiple of 128; output features a multiple of 64;
+FP8 needs (K / 128) % 4 == 0 (4-byte scale copies); tile row starts and counts from
+``moe_sm90`` (rows of one tile belong to one expert, counts <= block_n).
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, const_expr, pipeline
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.tensor_utils import LayoutEnum
+
+from .moe_sm90 import (BF16_2POW120, BLOCK_K, BLOCK_M, DECODE_CONFIG,  # noqa: F401
+                               FP4_BF16_HI, FP4_BF16_LO, PREFILL_CONFIG, ROW_BYTES,
+                               MoeGemmSm90Config, choose_config, num_tile_slots)
+
+NUM_THREADS = 256             # producer warpgroup + one math warpgroup
+DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
+REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
+LOG2_E = 1.4426950408889634
+
+
+@dsl_user_op
+def cp_async_arrive(mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
+    """``cp.async.mbarrier.arrive``: the barrier phase also waits for this thread's copies."""
+    nvvm.cp_async_mbarrier_arrive(mbar_ptr.to_llvm_ptr(loc=loc, ip=ip), noinc=False,
+                                  loc=loc, ip=ip)
+
+
+def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=None):
+    return llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * out_count) if out_count > 1 else T.i32(),
+        [Int32(a).ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
+    """Eight packed e2m1 codes (low nibble first) -> four bf16x2 words, times ``multiplier``.
+
+    Byte permutes as 8-entry lookup tables: with the magnitude bits of four codes as the
+    selector, one ``prmt`` gives the four high bytes and one the four low bytes of the bf16
+    magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6); a third ``prmt`` in sign-replicate mode over
+    0x80 bytes marks the negative codes (0xFF, else 0x80: bit 6 is the sign), which one
+    ``lop3`` moves to bit 7 of the high bytes. Two permutes interleave low and high bytes
+    into bf16x2 words and one bf16x2 multiply applies the power-of-two block scale (exact).
+    """
+    text = (
+        "{\n"
+        ".reg .b32 m, w, ha, hb, la, lb, c8, h, l, p;\n"
+        f"mov.b32 ha, {FP4_BF16_HI[0]:#010x};\n"
+        f"mov.b32 hb, {FP4_BF16_HI[1]:#010x};\n"
+        f"mov.b32 la, {FP4_BF16_LO[0]:#010x};\n"
+        f"mov.b32 lb, {FP4_BF16_LO[1]:#010x};\n"
+        "mov.b32 c8, 0x80808080;\n"
+        "and.b32 m, $4, 0x77777777;\n"
+        "mov.b32 w, $4;\n"
+        + "".join(
+            ("" if i == 0 else "shr.u32 m, m, 16;\nshr.u32 w, w, 16;\n")
+            + "prmt.b32 h, ha, hb, m;\n"
+            "prmt.b32 l, la, lb, m;\n"
+            "prmt.b32 p, c8, c8, w;\n"
+            "shl.b32 p, p, 1;\n"
+            "lop3.b32 h, h, p, c8, 0xF8;\n"              # h | (p & c8)
+            f"prmt.b32 ${2 * i}, l, h, 0x5140;\n"
+            f"prmt.b32 ${2 * i + 1}, l, h, 0x7362;\n"
+            f"mul.rn.bf16x2 ${2 * i}, ${2 * i}, $5;\n"
+            f"mul.rn.bf16x2 ${2 * i + 1}, ${2 * i + 1}, $5;\n"
+            for i in range(2))
+        + "}")
+    res = _asm(4, [word, multiplier], text, "=r,=r,=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
+@dsl_user_op
+def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
+    """Four e4m3 codes -> two bf16x2 words, times ``multiplier``.
+
+    Each byte moves to the low byte of a bf16 half; the bf16 bits ``sign << 15 | (code &
+    0x7F) << 4`` put the 4-bit exponent in the lowest bf16 exponent bits and the 3-bit
+    mantissa on top of the bf16 mantissa: the code's value times 2^-120 (e4m3 subnormals
+    become bf16 subnormals). Multiplying by 2^120 and by ``multiplier`` is exact.
+    """
+    text = (
+        "{\n"
+        ".reg .b32 p, s, m, k, z;\n"
+        f"mov.b32 k, {BF16_2POW120 * 0x10001:#010x};\n"
+        "mov.b32 z, 0;\n"
+        + "".join(
+            f"prmt.b32 p, $2, z, {0x4140 + 0x0202 * i:#06x};\n"
+            "shl.b32 s, p, 8;\n"
+            "shl.b32 m, p, 4;\n"
+            "and.b32 s, s, 0x80008000;\n"
+            "and.b32 m, m, 0x07F007F0;\n"
+            f"or.b32 ${i}, s, m;\n"
+            f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
+            f"mul.rn.bf16x2 ${i}, ${i}, $3;\n"
+            for i in range(2))
+        + "}")
+    res = _asm(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+class MoeGemmSm90:
+    """Static configuration of one compiled kernel (see the module docstring)."""
+
+    def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
+                 config: MoeGemmSm90Config):
+        self.weight_format = weight_format
+        self.gated = gated
+        self.mats = 2 if gated else 1
+        self.swiglu_limit = float(swiglu_limit)
+        self.block_n = config.block_n
+        self.num_stages = config.num_stages
+        self.ablation = config.ablation
+        self.row_bytes = ROW_BYTES[weight_format]
+        self.dtype = cutlass.BFloat16
+
+    # ------------------------------------------------------------------ host
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
+                 mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+                 mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor,
+                 stream: cuda.CUstream):
+        bn, stages = self.block_n, self.num_stages
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            (1, 1, 1), (BLOCK_M, bn))
+        # A: the dequantised weight tile, one buffer per (matrix, parity).
+        sA_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (BLOCK_M, bn, BLOCK_K), self.dtype, 2 * self.mats)
+        # B: the token rows of each stage.
+        sB_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (BLOCK_M, bn, BLOCK_K), self.dtype, stages)
+        raw_bytes = self.mats * BLOCK_M * self.row_bytes
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, 2 * stages]
+            sScale: cute.struct.Align[
+                cute.struct.MemRange[Int32, stages * self.mats * BLOCK_M], 16]
+            sRaw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, stages * raw_bytes],
+                                    128]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        n_out = mOut.shape[1]
+        self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mOut,
+                    tiled_mma, sA_layout, sB_layout).launch(
+            grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
+            block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
+               mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
+               mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor,
+               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+               sB_layout: cute.ComposedLayout):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_tile, slot, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        expert = mTileExpert[slot]
+        if expert >= 0:
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(self.shared_storage)
+            sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
+            sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
+            pipe = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+            row0 = mTileRow0[slot]
+            rows = mTileRows[slot]
+            num_k = mX.shape[1] // BLOCK_K
+            if wg == 0:
+                self.produce(mX, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, num_k,
+                             storage.sRaw.data_ptr(), storage.sScale.data_ptr(), sB, pipe,
+                             tidx)
+            else:
+                self.consume(mRw, mOut, m_tile, row0, rows, num_k, tidx - 128,
+                             storage.sRaw.data_ptr(), storage.sScale.data_ptr(), sA, sB,
+                             pipe, tiled_mma)
+
+    @cute.jit
+    def produce(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
+                mSb: cute.Tensor, expert: Int32, m_tile: Int32, row0: Int32, rows: Int32,
+                num_k: Int32, raw: cute.Pointer, scales: cute.Pointer, sB: cute.Tensor,
+                pipe: pipeline.PipelineAsync, tidx: Int32):
+        """WG0: raw weight bytes, scale bytes and token rows of each K block, by cp.async."""
+        bn = self.block_n
+        raw = raw.toint()
+        scales = scales.toint()
+        n_out = mWa.shape[1]
+        k_in = mX.shape[1]
+        atom16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
+            num_bits_per_copy=128)
+        atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
+        sB_vec = cute.flat_divide(sB, (1, 8))[0, None, None, None, None]
+        # Global byte offsets of this tile's first weight row (row-major [E, N, row bytes]).
+        w_row0 = (expert * n_out + m_tile * BLOCK_M).to(Int64)
+        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)
+        raw_stage = self.mats * BLOCK_M * self.row_bytes
+        chunks = self.row_bytes // 16                 # 16 B chunks per weight row per stage
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.num_stages)
+        for kb in cutlass.range(num_k, unroll=1):
+            pipe.producer_acquire(state)
+            stage = state.index
+            issue = True
+            if const_expr(self.ablation == "no_load"):
+                issue = kb < self.num_stages
+            for mat in cutlass.range_constexpr(self.mats):
+                w_base = (mWa if mat == 0 else mWb).iterator.toint()
+                s_base = (mSa if mat == 0 else mSb).iterator.toint()
+                # Weight bytes: BLOCK_M rows x `chunks` 16 B chunks.
+                for i in cutlass.range_constexpr(BLOCK_M * chunks // 128):
+                    flat = i * 128 + tidx
+                    r, c = flat // chunks, flat % chunks
+                    src = (w_base + (w_row0 + r) * w_stride
+                           + (kb * self.row_bytes + c * 16).to(Int64))
+                    dst = raw + (stage * raw_stage + (mat * BLOCK_M + r) * self.row_bytes
+                                 + c * 16)
+                    if issue:
+                        self.copy_bytes(atom16, 16, src, dst)
+                # Scale bytes: 4 per row (FP4: K/32 per row, four per K block); FP8: the
+                # aligned 4 bytes holding this K block's byte of the row block's scale row.
+                if const_expr(self.weight_format == "fp4"):
+                    if tidx < BLOCK_M:
+                        src = s_base + ((w_row0 + tidx) * (k_in // 32) + kb * 4)
+                        dst = scales + ((stage * self.mats + mat) * BLOCK_M + tidx) * 4
+                        self.copy_bytes(atom4, 4, src, dst)
+                if const_expr(self.weight_format == "fp8"):
+                    if tidx == 0:
+                        blk_row = (expert * (n_out // 128) + m_tile * BLOCK_M // 128).to(Int64)
+                        src = s_base + blk_row * (k_in // 128) + (kb // 4) * 4
+                        dst = scales + ((stage * self.mats + mat) * BLOCK_M) * 4
+                        self.copy_bytes(atom4, 4, src, dst)
+            # Token rows: bn rows x 16 chunks of 8 bf16; rows past the tile's count repeat
+            # the tile's first row (never stored).
+            x_base = mX.iterator.toint()
+            for i in cutlass.range_constexpr((bn * 16 + 127) // 128):
+                flat = i * 128 + tidx
+                if flat < bn * 16:
+                    r, c = flat // 16, flat % 16
+                    src_row = row0 + (r if r < rows else 0)
+                    src = x_base + (src_row.to(Int64) * k_in + kb * BLOCK_K + c * 8) * 2
+                    self.copy_bf16x8(src, sB_vec[None, r, c, stage])
+            cp_async_arrive(pipe.producer_get_barrier(state))
+            pipe.producer_commit(state)
+            state.advance()
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def copy_bytes(self, atom: cute.CopyAtom, nbytes: cutlass.Constexpr, src: Int64,
+                   dst: Int32):
+        s = cute.make_tensor(cute.make_ptr(cutlass.Uint8, src, cute.AddressSpace.gmem,
+                                           assumed_align=nbytes), cute.make_layout((nbytes,)))
+        d = cute.make_tensor(cute.make_ptr(cutlass.Uint8, dst, cute.AddressSpace.smem,
+                                           assumed_align=nbytes), cute.make_layout((nbytes,)))
+        cute.copy(atom, s, d)
+
+    @cute.jit
+    def copy_bf16x8(self, src: Int64, dst: cute.Tensor):
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.dtype,
+            num_bits_per_copy=128)
+        s = cute.make_tensor(cute.make_ptr(self.dtype, src, cute.AddressSpace.gmem,
+                                           assumed_align=16), cute.make_layout((8,)))
+        cute.copy(atom, s, dst)
+
+    @cute.jit
+    def consume(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
+                rows: Int32, num_k: Int32, wg_tidx: Int32, raw: cute.Pointer,
+                scales: cute.Pointer, sA: cute.Tensor, sB: cute.Tensor,
+                pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma):
+        """WG1: dequantise each stage into an A tile, WGMMA, then the epilogue."""
+        bn = self.block_n
+        thr_mma = tiled_mma.get_slice(wg_tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        acc_a = thr_mma.make_fragment_C(thr_mma.partition_shape_C((BLOCK_M, bn)))
+        acc_b = thr_mma.make_fragment_C(thr_mma.partition_shape_C((BLOCK_M, bn)))
+        acc_a.fill(0.0)
+        acc_b.fill(0.0)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        sA_vec = cute.flat_divide(sA, (1, 8))[0, None, None, None, None]
+        num_kk = cute.size(tCrA, mode=[2])
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             self.num_stages)
+        prev = state.clone()
+        for kb in cutlass.range(num_k, unroll=1):
+            pipe.consumer_wait(state)
+            parity = kb % 2
+            if const_expr(self.ablation != "no_dequant"):
+                for mat in cutlass.range_constexpr(self.mats):
+                    self.dequant(raw, scales, state.index, mat, kb, wg_tidx,
+                                 sA_vec, mat * 2 + parity)
+            # Ordinary smem stores (A) and cp.async stores (B) are read by the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=DEQUANT_BARRIER, number_of_threads=128)
+            cute.nvgpu.warpgroup.fence()
+            for kk in cutlass.range_constexpr(num_kk if self.ablation != "no_mma" else 0):
+                cute.gemm(tiled_mma, acc_a, tCrA[None, None, kk, parity],
+                          tCrB[None, None, kk, state.index], acc_a)
+            if const_expr(self.gated and self.ablation != "no_mma"):
+                for kk in cutlass.range_constexpr(num_kk):
+                    cute.gemm(tiled_mma, acc_b, tCrA[None, None, kk, 2 + parity],
+                              tCrB[None, None, kk, state.index], acc_b)
+            cute.nvgpu.warpgroup.commit_group()
+            # The previous stage's GEMMs retired: its token rows and A buffer are free.
+            cute.nvgpu.warpgroup.wait_group(1)
+            cute.arch.barrier(barrier_id=REUSE_BARRIER, number_of_threads=128)
+            if kb > 0:
+                pipe.consumer_release(prev)
+                prev.advance()
+            state.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        if num_k > 0:
+            pipe.consumer_release(prev)
+        self.epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc_a, acc_b)
+
+    @cute.jit
+    def dequant(self, raw: cute.Pointer, scales: cute.Pointer, stage: Int32,
+                mat: cutlass.Constexpr, kb: Int32, wg_tidx: Int32, sA_vec: cute.Tensor,
+                buf: Int32):
+        """This thread's share of one matrix's 64 x 128 tile: row wg_tidx // 2, K half
+        wg_tidx % 2 (64 elements), raw bytes -> bf16 into A buffer ``buf``."""
+        r = wg_tidx // 2
+        half = wg_tidx % 2
+        raw = raw.toint()
+        scales = scales.toint()
+        row_addr = raw + ((stage * self.mats + mat) * BLOCK_M + r) * self.row_bytes
+        scale_row = r if self.weight_format == "fp4" else 0    # FP8: one per row block
+        scale_word = cute.make_tensor(
+            cute.make_ptr(Int32, scales + ((stage * self.mats + mat) * BLOCK_M + scale_row) * 4,
+                          cute.AddressSpace.smem, assumed_align=4),
+            cute.make_layout((1,)))
+        if const_expr(self.weight_format == "fp4"):
+            sw = scale_word[0]
+            for c in cutlass.range_constexpr(2):            # 16 B = 32 codes each
+                raw_words = cute.make_tensor(
+                    cute.make_ptr(Int32, row_addr + half * 32 + c * 16,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout((4,))).load()
+                e8 = (sw >> (8 * (half * 2 + c))) & 0xFF
+                # bf16 2^(e8 - 127) in both halves (e8 = 0 gives a subnormal, exact).
+                mult = Int32(0)
+                if e8 > 0:
+                    mult = (e8 << 7) | (e8 << 23)
+                else:
+                    mult = Int32(0x00400040)
+                for w in cutlass.range_constexpr(4):        # 8 codes -> one 16 B chunk
+                    out = cute.make_rmem_tensor((4,), Int32)
+                    o = fp4x8_to_bf16x8(raw_words[w], mult)
+                    for i in cutlass.range_constexpr(4):
+                        out[i] = o[i]
+                    chunk = half * 8 + c * 4 + w
+                    sA_vec[None, r, chunk, buf].store(out.load().bitcast(self.dtype))
+        elif const_expr(self.weight_format == "fp8"):
+            e8 = (scale_word[0] >> (8 * (kb % 4))) & 0xFF
+            mult = Int32(0)
+            if e8 > 0:
+                mult = (e8 << 7) | (e8 << 23)
+            else:
+                mult = Int32(0x00400040)
+            for c in cutlass.range_constexpr(4):            # 16 B = 16 codes each
+                raw_words = cute.make_tensor(
+                    cute.make_ptr(Int32, row_addr + half * 64 + c * 16,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout((4,))).load()
+                for h in cutlass.range_constexpr(2):        # 8 codes -> one 16 B chunk
+                    out = cute.make_rmem_tensor((4,), Int32)
+                    for w in cutlass.range_constexpr(2):
+                        o = fp8x4_to_bf16x4(raw_words[2 * h + w], mult)
+                        out[2 * w] = o[0]
+                        out[2 * w + 1] = o[1]
+                    sA_vec[None, r, half * 8 + c * 2 + h, buf].store(
+                        out.load().bitcast(self.dtype))
+        else:
+            for c in cutlass.range_constexpr(8):            # 16 B = 8 bf16 each
+                vals = cute.make_tensor(
+                    cute.make_ptr(self.dtype, row_addr + half * 128 + c * 16,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout((8,))).load()
+                sA_vec[None, r, half * 8 + c, buf].store(vals)
+
+    @cute.jit
+    def epilogue(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
+                 rows: Int32, thr_mma: cute.ThrMma, acc_a: cute.Tensor, acc_b: cute.Tensor):
+        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated)."""
+        bn = self.block_n
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, bn)))
+        col0 = m_tile * BLOCK_M
+        limit = self.swiglu_limit
+        for i in cutlass.range_constexpr(cute.size(acc_a)):
+            m, n = tCcC[i][0], tCcC[i][1]
+            if n < rows:
+                if const_expr(self.gated):
+                    g = acc_a[i].to(self.dtype).to(Float32)
+                    u = acc_b[i].to(self.dtype).to(Float32)
+                    if const_expr(limit > 0):
+                        u = cute.arch.fmax(cute.arch.fmin(u, Float32(limit)),
+                                           Float32(-limit))
+                        g = cute.arch.fmin(g, Float32(limit))
+                    silu = g / (Float32(1.0) + cute.math.exp2(-g * LOG2_E))
+                    h = mRw[row0 + n] * (silu * u)
+                    mOut[row0 + n, col0 + m] = h.to(self.dtype)
+                else:
+                    mOut[row0 + n, col0 + m] = acc_a[i].to(self.dtype)
+
+
+@cute.jit
+def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.Tensor,
+                      tile_row0: cute.Tensor, tile_rows: cute.Tensor, w_a: cute.Tensor,
+                      s_a: cute.Tensor, w_b: cute.Tensor, s_b: cute.Tensor,
+                      route_w: cute.Tensor, out: cute.Tensor, *,
+                      weight_format: cutlass.Constexpr, gated: cutlass.Constexpr,
+                      swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
+                      num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = ""):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+    MoeGemmSm90(weight_format, gated, swiglu_limit,
+                MoeGemmSm90Config(block_n, num_stages, ablation))(
+        x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
+
+
+__all__ = ["MoeGemmSm90", "MoeGemmSm90Config", "moe_gemm_launcher", "choose_config",
+           "num_tile_slots", "DECODE_CONFIG", "PREFILL_CONFIG"]
