@@ -36,6 +36,18 @@ class MoeGemmSm90Config:
     # outputs are wrong by design.
     ablation: str = ""
 
+    ABLATIONS = ("", "no_load", "no_dequant", "no_mma")
+
+    def __post_init__(self):
+        if self.block_n % 8 or not 8 <= self.block_n <= 256:
+            raise ValueError(f"MoeGemmSm90Config: block_n must be a multiple of 8 in [8, 256], "
+                             f"got {self.block_n}")
+        if self.num_stages < 2:
+            raise ValueError(f"MoeGemmSm90Config: num_stages must be >= 2, got {self.num_stages}")
+        if self.ablation not in self.ABLATIONS:
+            raise ValueError(f"MoeGemmSm90Config: ablation must be one of {self.ABLATIONS}, "
+                             f"got {self.ablation!r}")
+
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
         mats = 2 if gated else 1
         raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4

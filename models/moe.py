@@ -1,4 +1,4 @@
-"""Mixture of experts (spec §2.5): sqrt-softplus router, hash routing, routed + shared SwiGLU.
+"""Mixture of experts (docs/architecture.md §3.7): sqrt-softplus router, hash routing, routed + shared SwiGLU.
 
 Routed experts are stored stacked: ``experts/w{1,2,3}/weight [E, out, in]`` (packed FP4
 ``[E, out, in/2]`` int8 with ``scale [E, out, in/32]``, or FP8 with 128x128 scales, or plain).
@@ -22,6 +22,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
+from .parallel import expert_parallel
 from .layers import (Linear, act_dtype, fp4_packed_init, fp8_codes_init, matmul_f32,
                      normal_init, pow2_scale_init, FP4_CODE_STD, FP8_CODE_STD)
 
@@ -50,7 +51,6 @@ def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, param
     each device runs ``moe_expert_rows`` on the rows it received.
     """
     if mesh is not None:
-        from .parallel import expert_parallel
         return expert_parallel(x, route_w, route_idx, params, cfg.n_routed_experts, mesh,
                                lambda r, e, w, p: expert_rows(r, e, w, p, cfg))
     return moe_experts(x, route_idx, route_w, params["w1"], params["w3"], params["w2"],

@@ -35,6 +35,8 @@ LAYERS = (
 LAZY_BY_DESIGN = {
     ("dsv4_jax.ffi.sparse_attention", "dsv4_jax.ffi.cute_call"),
     ("dsv4_jax.ffi.sparse_attention", "dsv4_jax.kernels.sparse_attention_sm90_kernel"),
+    ("dsv4_jax.ffi.moe", "dsv4_jax.ffi.cute_call"),
+    ("dsv4_jax.ffi.moe", "dsv4_jax.kernels.moe_sm90_kernel"),
 }
 # Function-local imports in modules that are being rewritten elsewhere (generation and
 # speculative share driver code across a cycle; the CLI imports lazily; models/moe.py is
@@ -48,7 +50,6 @@ PENDING = {
     ("dsv4_jax.cli_generate", "dsv4_jax._monitor"),
     ("dsv4_jax.__main__", "dsv4_jax.cli_generate"),
     ("dsv4_jax.__main__", "dsv4_jax.checkpoints.convert"),
-    ("dsv4_jax.models.moe", "dsv4_jax.models.parallel"),
 }
 
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.ffi import moe_sm90
+from dsv4_jax.ffi import moe as moe_op
 from dsv4_jax.kernels import moe_sm90 as support
 
 cutlass = pytest.importorskip("cutlass")
@@ -86,7 +86,7 @@ def test_schedule_covers_every_valid_row_once(block_n):
     ids[:40] = 3                                           # one crowded expert
     ids[[5, 17, 99]] = [-1, num_experts, 1 << 20]          # dropped
     order, valid, tile_expert, tile_row0, tile_rows = map(
-        np.asarray, jax.jit(moe_sm90.moe_schedule, static_argnums=(1, 2))(
+        np.asarray, jax.jit(moe_op.moe_schedule, static_argnums=(1, 2))(
             jnp.asarray(ids), num_experts, block_n))
     assert tile_expert.shape == (support.num_tile_slots(rows, num_experts, block_n),)
     np.testing.assert_array_equal(np.sort(order), np.arange(rows))
@@ -114,6 +114,9 @@ def test_support_rejects_what_the_kernel_cannot_take():
                           ({"num_tiles": 70000}, "grid")]:
         supported, why = cfg.is_supported(**{**ok, **change})
         assert not supported and words in why, (change, why)
+    for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x")):
+        with pytest.raises(ValueError, match="MoeGemmSm90Config"):
+            support.MoeGemmSm90Config(**bad)
     for fmt in support.WEIGHT_FORMATS:
         for rows in (6, 48, 384, 24576):
             config = support.choose_config(rows, 256, fmt)
