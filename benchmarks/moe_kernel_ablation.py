@@ -10,7 +10,7 @@ import numpy as np
 import dsv4_jax  # noqa
 import jax, jax.numpy as jnp
 from moe_kernel_check import make_w, bench, LIMIT
-from dsv4_jax.ffi import moe_sm90 as ms
+from dsv4_jax.ffi import moe as ms
 
 def setup(T, k=6, E=256, d=4096, inter=2048, fmt="fp4", seed=0):
     ks = jax.random.split(jax.random.key(seed), 6)

@@ -15,7 +15,7 @@ import numpy as np
 import dsv4_jax  # noqa: F401  (XLA flags)
 import jax, jax.numpy as jnp
 from dsv4_jax import quant
-from dsv4_jax.ffi import moe_sm90 as ms
+from dsv4_jax.ffi import moe as ms
 
 LIMIT = 10.0
 def e8m0(u8): return jax.lax.bitcast_convert_type(u8.astype(jnp.uint8), jnp.float8_e8m0fnu)
@@ -91,7 +91,7 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
     else: idx = jnp.argsort(jax.random.uniform(ks[4], (T, E)), axis=-1)[:, :k].astype(jnp.int32)
     rw = jax.random.uniform(ks[5], (T, k), jnp.float32, 0.1, 1.0)
     xa = jnp.repeat(x, k, axis=0); ea = idx.reshape(-1); wa = rw.reshape(-1)
-    f = jax.jit(lambda xa, ea, wa, w1, w3, w2: ms.expert_rows_sm90(xa, ea, wa, w1, w3, w2, swiglu_limit=LIMIT, simulate=simulate))
+    f = jax.jit(lambda xa, ea, wa, w1, w3, w2: ms.moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, swiglu_limit=LIMIT, simulate=simulate))
     y = f(xa, ea, wa, w1, w3, w2).astype(jnp.float32)
     y2 = f(xa, ea, wa, w1, w3, w2).astype(jnp.float32)
     rep = bool(jnp.all(y == y2))
