@@ -1,19 +1,16 @@
 """Tokenizers: HF ``tokenizer.json`` (via the ``tokenizers`` library) or a byte-level fallback,
-and the DeepSeek-V4 chat encoding of ``messages``.
+and the DeepSeek-V4 chat encoding of ``messages`` (``encode_chat``, defined in ``chat.py``).
 """
 from __future__ import annotations
 
 import os
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "encode_chat",
-           "BOS", "EOS", "USER", "ASSISTANT", "THINK_START", "THINK_END"]
+from .chat import (ASSISTANT, BOS, DSML, EOS, FORMAT_TOKENS, LATEST_REMINDER, THINK_END,
+                   THINK_START, USER, encode_chat, parse_completion)
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer", "encode_chat", "parse_completion",
+           "BOS", "EOS", "USER", "ASSISTANT", "LATEST_REMINDER", "THINK_START", "THINK_END",
+           "DSML", "FORMAT_TOKENS"]
 
 
 class ByteTokenizer:
@@ -28,10 +25,13 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        if text.startswith(BOS):        # chat prompts carry BOS as text: one BOS id, not its bytes
+            text, add_bos = text[len(BOS):], True
         ids = [b + self.offset for b in text.encode("utf-8")]
         return [self.bos_id] + ids if add_bos else ids
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (BOS / EOS / pad ids have no bytes, whatever ``skip_special_tokens``)."""
         data = bytes(int(i) - self.offset for i in ids if self.offset <= int(i) < self.offset + 256)
         return data.decode("utf-8", errors="replace")
 
@@ -56,14 +56,31 @@ class HFTokenizer:
         self.has_chat_tokens = all(self._tok.token_to_id(t) is not None
                                    for t in (BOS, EOS, USER, ASSISTANT))
 
+    def chat_token_ids(self) -> dict[str, int]:
+        """Id of every token the DSV4 chat format writes (``FORMAT_TOKENS``); raises ValueError
+        naming those that do not encode to exactly one id (a tokenizer.json from elsewhere)."""
+        ids, missing = {}, []
+        for token in FORMAT_TOKENS:
+            got = self._tok.encode(token, add_special_tokens=False).ids
+            if len(got) == 1 and self._tok.id_to_token(got[0]) == token:
+                ids[token] = got[0]
+            else:
+                missing.append(token)
+        if missing:
+            raise ValueError(f"tokenizer.json lacks the DSV4 chat tokens {missing} "
+                             f"(each must encode to one id)")
+        return ids
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_id is not None and not text.startswith(BOS):
             ids = [self.bos_id] + ids
         return ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; ``skip_special_tokens=False`` keeps BOS / EOS (needed to parse chat
+        completions: the DSML, think and role tokens are never skipped in the official file)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
@@ -73,33 +90,3 @@ def load_tokenizer(path: str | os.PathLike | None, vocab_size: int):
         if os.path.isfile(file):
             return HFTokenizer(file)
     return ByteTokenizer(vocab_size)
-
-
-def encode_chat(messages: list[dict], *, thinking: bool = False) -> str:
-    """DeepSeek-V4 chat prompt text for system/user/assistant ``messages`` (no tools).
-
-    ``BOS + system + <｜User｜>user + <｜Assistant｜>`` then ``</think>`` (chat mode) or
-    ``<think>`` (thinking mode) after the last user turn; earlier assistant turns are
-    ``content + EOS`` (their reasoning dropped, as the official encoder does by default).
-    """
-    if not messages:
-        raise ValueError("encode_chat: messages is empty")
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
-    out = [BOS]
-    for i, m in enumerate(messages):
-        role, content = m.get("role"), m.get("content") or ""
-        if role == "system":
-            out.append(content)
-        elif role == "user":
-            out.append(USER + content)
-            nxt = messages[i + 1].get("role") if i + 1 < len(messages) else None
-            if nxt in (None, "assistant"):
-                out.append(ASSISTANT)
-                out.append(THINK_START if thinking and i == last_user else THINK_END)
-        elif role == "assistant":
-            reasoning = m.get("reasoning_content") or ""
-            prefix = reasoning + THINK_END if thinking and i > last_user else ""
-            out.append(prefix + content + EOS)
-        else:
-            raise ValueError(f"encode_chat: unsupported role {role!r} in message {i}")
-    return "".join(out)
