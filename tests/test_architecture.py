@@ -24,7 +24,7 @@ LAYERS = (
     ("models", ("dsv4_jax.models", "dsv4_jax.models.")),
     ("parameters", ("dsv4_jax.params", "dsv4_jax.sharding")),
     ("checkpoints", ("dsv4_jax.checkpoints", "dsv4_jax.checkpoints.")),
-    ("generation", ("dsv4_jax._monitor", "dsv4_jax.sampling", "dsv4_jax.tokenizer",
+    ("generation", ("dsv4_jax._monitor", "dsv4_jax.sampling", "dsv4_jax.chat", "dsv4_jax.tokenizer",
                     "dsv4_jax.generation", "dsv4_jax.speculative", "dsv4_jax.introspect")),
     ("public API", ("dsv4_jax",)),
     ("CLI", ("dsv4_jax.cli_generate", "dsv4_jax.__main__")),
