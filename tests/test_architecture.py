@@ -22,7 +22,7 @@ LAYERS = (
                 "dsv4_jax.mesh_rules", "dsv4_jax.cache")),
     ("ops", ("dsv4_jax.kernels", "dsv4_jax.kernels.", "dsv4_jax.ffi", "dsv4_jax.ffi.")),
     ("models", ("dsv4_jax.models", "dsv4_jax.models.")),
-    ("parameters", ("dsv4_jax.params", "dsv4_jax.sharding")),
+    ("parameters", ("dsv4_jax.params", "dsv4_jax.sharding", "dsv4_jax.plan")),
     ("checkpoints", ("dsv4_jax.checkpoints", "dsv4_jax.checkpoints.")),
     ("generation", ("dsv4_jax._monitor", "dsv4_jax.sampling", "dsv4_jax.chat", "dsv4_jax.tokenizer",
                     "dsv4_jax.generation", "dsv4_jax.speculative", "dsv4_jax.introspect")),

@@ -1,0 +1,230 @@
+"""Planning a mesh run without allocating it: per-device shards, memory and all-to-all sizes.
+
+Everything here works on abstract shapes (``abstract_params``, ``jax.eval_shape`` of
+``Cache.init``), so a 1.6T-parameter DSV4-Pro plan is computed on a laptop's simulated CPU
+devices. ``benchmarks/pro_plan.py`` prints the tables; docs/performance.md quotes them.
+
+* ``shard_table``: every parameter's global and per-device shape under ``param_shardings``.
+* ``cache_bytes_per_device``: a ``Cache`` of batch x max_len split over the batch axes.
+* ``step_activation_estimate``: the transients of one layer of a prefill/decode step (the
+  documented formula below), for the CuTe MoE kernel path and for the XLA reference path.
+* ``all_to_all_sizes``: the expert-parallel exchange of ``models/parallel.expert_parallel``
+  (worst-case capacity: every device sends a full block of its assignments to every device).
+* ``abstract_step``: the jitted model step lowered on a mesh with abstract inputs, for the
+  compiler's own memory analysis of a reduced stack.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .cache import Cache
+from .config import CSA_RATIO, Config
+from .mesh_rules import EXPERT, axis_size, batch_axes, cache_shardings, check_batch
+from .models.transformer import DSV4
+from .params import abstract_params, leaf_keys
+from .sharding import param_shardings, per_device_bytes
+
+__all__ = ["H200_BYTES", "shard_table", "group_shard_table", "param_bytes_per_device",
+           "cache_bytes_per_device", "step_activation_estimate", "all_to_all_sizes",
+           "reduced_config", "abstract_step", "memory_plan"]
+
+# One H200 as the CUDA driver reports it (143,771 MiB, docs/performance.md, 2 x H200 run).
+H200_BYTES = 143771 * 2 ** 20
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize
+
+
+def shard_table(cfg: Config, mesh: Mesh, abstract=None) -> list[dict]:
+    """One row per parameter leaf: path, global shape, dtype, PartitionSpec, per-device shard
+    shape and bytes (every device holds the same shard size: the splits divide evenly)."""
+    abstract = abstract if abstract is not None else abstract_params(cfg)
+    shardings = param_shardings(cfg, mesh, abstract)
+    rows = []
+    for (keys, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(abstract),
+                                jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(
+                                    x, jax.sharding.Sharding))):
+        shard = tuple(sh.shard_shape(leaf.shape))
+        rows.append(dict(path="/".join(leaf_keys(keys)), shape=tuple(leaf.shape),
+                         dtype=jnp.dtype(leaf.dtype).name, spec=str(sh.spec), shard=shard,
+                         shard_bytes=_nbytes(shard, leaf.dtype)))
+    return rows
+
+
+def group_shard_table(rows: list[dict]) -> list[dict]:
+    """``shard_table`` rows with the block index folded (``layers_*``, ``mtp_*``): one row per
+    distinct (path, shape, dtype, spec), with ``count`` leaves and their total shard bytes."""
+    groups: dict = {}
+    for r in rows:
+        path = re.sub(r"^(layers|mtp)_\d+", r"\1_*", r["path"])
+        key = (path, r["shape"], r["dtype"], r["spec"])
+        g = groups.setdefault(key, dict(r, path=path, count=0, total_bytes=0))
+        g["count"] += 1
+        g["total_bytes"] += r["shard_bytes"]
+    return list(groups.values())
+
+
+def param_bytes_per_device(cfg: Config, mesh: Mesh, abstract=None) -> int:
+    abstract = abstract if abstract is not None else abstract_params(cfg)
+    return per_device_bytes(abstract, param_shardings(cfg, mesh, abstract))
+
+
+def cache_bytes_per_device(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> int:
+    """Per-device bytes of ``Cache.init(cfg, batch, max_len, mesh=mesh)`` (nothing allocated);
+    ``ValueError`` when the batch does not split over the mesh."""
+    check_batch(batch, mesh)
+    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, max_len))
+    return per_device_bytes(cache, cache_shardings(cache, mesh))
+
+
+def _moe_exchange(cfg: Config, mesh: Mesh, batch: int, seq: int) -> dict:
+    """Shapes of ``expert_parallel``'s exchange on one device (models/parallel.py)."""
+    check_batch(batch, mesh)
+    n = mesh.shape[EXPERT] if EXPERT in mesh.axis_names else 1
+    tokens = batch * seq // axis_size(mesh, "batch")          # t: local tokens
+    assignments = tokens * cfg.n_activated_experts            # a = t k
+    return dict(n=n, tokens=tokens, assignments=assignments, slots=n * assignments,
+                local_experts=cfg.n_routed_experts // n)
+
+
+def all_to_all_sizes(cfg: Config, mesh: Mesh, batch: int, seq: int = 1) -> dict:
+    """Bytes one device moves through the expert-parallel all-to-alls for ``batch`` rows of
+    ``seq`` tokens, per MoE layer and per step (all ``n_layers`` blocks; the MTP block runs
+    only when drafting).
+
+    The capacity rule of ``expert_parallel``: each device sends every device a block of
+    ``a = t k`` slots (t local tokens, k experts per token), enough for all its assignments
+    to land on one device, so nothing is dropped. Dispatch sends three arrays (rows in the
+    activation dtype, expert id int32, routing weight f32), combine sends the rows back in
+    the activation dtype. Of each ``[n, a, ...]`` buffer, ``(n - 1) / n`` leaves the device;
+    ``a`` of the ``n a`` slots are real (the rest keep expert id -1).
+    """
+    x = _moe_exchange(cfg, mesh, batch, seq)
+    n, a = x["n"], x["assignments"]
+    row = cfg.dim * jnp.dtype(cfg.dtype).itemsize
+    dispatch = n * a * (row + 4 + 4)                 # x rows + int32 id + f32 weight
+    combine = n * a * row
+    leaving = (n - 1) / n if n > 1 else 0.0
+    per_layer_sent = int((dispatch + combine) * leaving)
+    return dict(x, dispatch_buffer_bytes=dispatch, combine_buffer_bytes=combine,
+                sent_bytes_per_layer=per_layer_sent,
+                useful_bytes_per_layer=int(a * (2 * row + 8) * leaving),
+                sent_bytes_per_step=per_layer_sent * cfg.n_layers)
+
+
+def _linear_bf16_bytes(cfg: Config, abstract) -> int:
+    """The largest block's non-expert quantised weights once dequantised to the activation
+    dtype (XLA dequantises FP8 linears before its GEMMs)."""
+    per_block: dict = {}
+    for keys, leaf in jax.tree_util.tree_leaves_with_path(abstract):
+        path = "/".join(leaf_keys(keys))
+        m = re.match(r"^((?:layers|mtp)_\d+)/", path)
+        if m and "/experts/" not in path and leaf.dtype == jnp.float8_e4m3fn:
+            per_block[m.group(1)] = per_block.get(m.group(1), 0) + leaf.size
+    return max(per_block.values(), default=0) * jnp.dtype(cfg.dtype).itemsize
+
+
+def step_activation_estimate(cfg: Config, mesh: Mesh, batch: int, seq: int, max_len: int,
+                             *, moe: str = "kernel", logits_at: str = "last",
+                             abstract=None) -> dict:
+    """Per-device transient bytes of one layer of a step, by component (the formula).
+
+    Layers run one after the other, so a step's peak above parameters and cache is about
+    one layer's transients plus the logits. t = local tokens (batch x seq over the batch
+    axes), b = local rows, act = activation bytes, n = expert-axis size, a = t k:
+
+    * ``streams``: 3 t hc d act (mHC input, output and the collapsed stream);
+    * ``attention``: queries and output 2 t h c act, gathered entries t (W + K) c act with
+      K = min(index_topk, max_len / 4) for CSA (all max_len / 128 entries for HCA), the
+      indexer's f32 scores t h_I (max_len / 4) 4;
+    * ``dense_linears``: the block's FP8 linears dequantised to act (XLA path of the linears);
+    * ``moe_exchange``: the four ``[n, a, d]`` buffers (send, receive, result, returned);
+    * ``moe_compute``: kernel -- gate, up and h rows ``[n a, inter]`` in act plus the FP8
+      copy of the received rows; xla -- the dequantised local experts (all of them when
+      ``n a`` >= local experts, as ``ragged_dot``; else one gathered copy per row);
+    * ``logits``: gathered hidden rows, the f32 vocabulary slice of every row and the local
+      rows' full f32 logits (``logits_at="last"``: one row per sequence).
+    """
+    if moe not in ("kernel", "xla"):
+        raise ValueError(f"moe must be 'kernel' or 'xla', got {moe!r}")
+    abstract = abstract if abstract is not None else abstract_params(cfg)
+    act = jnp.dtype(cfg.dtype).itemsize
+    x = _moe_exchange(cfg, mesh, batch, seq)
+    t, n, slots = x["tokens"], x["n"], x["slots"]
+    b = batch // axis_size(mesh, "batch")
+    d, c, h = cfg.dim, cfg.head_dim, cfg.n_heads
+    kinds = {cfg.layer_kind(i) for i in range(cfg.n_layers)}
+    entries = cfg.window_size + max(
+        [min(cfg.index_topk, max_len // CSA_RATIO)] * ("csa" in kinds)
+        + [max_len // cfg.compress_ratios[i] for i in range(cfg.n_layers)
+           if cfg.layer_kind(i) == "hca"] + [0])
+    indexer = t * cfg.index_n_heads * (max_len // CSA_RATIO) * 4 if "csa" in kinds else 0
+    expert_matrix = 3 * cfg.moe_inter_dim * d * act
+    if moe == "kernel":
+        compute = slots * (3 * cfg.moe_inter_dim * act + d)
+    else:
+        compute = min(slots, x["local_experts"]) * expert_matrix
+    logit_rows = b if logits_at == "last" else t
+    n_vocab = axis_size(mesh, "vocab")
+    all_rows = logit_rows * axis_size(mesh, "batch")
+    parts = dict(
+        streams=3 * t * cfg.hc_mult * d * act,
+        attention=2 * t * h * c * act + t * entries * c * act + indexer,
+        dense_linears=_linear_bf16_bytes(cfg, abstract),
+        moe_exchange=4 * slots * d * act,
+        moe_compute=compute,
+        logits=all_rows * d * act + all_rows * cfg.vocab_size // n_vocab * 4
+        + logit_rows * cfg.vocab_size * 4)
+    return dict(parts, total=sum(parts.values()))
+
+
+def memory_plan(cfg: Config, mesh: Mesh, *, batch: int, max_len: int, seq: int = 1,
+                moe: str = "kernel", device_bytes: int = 139 * 2 ** 30,
+                abstract=None) -> dict:
+    """Per-device parameters + cache + one step's activations against ``device_bytes``."""
+    abstract = abstract if abstract is not None else abstract_params(cfg)
+    params = param_bytes_per_device(cfg, mesh, abstract)
+    cache = cache_bytes_per_device(cfg, mesh, batch, max_len)
+    act = step_activation_estimate(cfg, mesh, batch, seq, max_len, moe=moe,
+                                   abstract=abstract)["total"]
+    total = params + cache + act
+    return dict(mesh=dict(mesh.shape), batch=batch, seq=seq, max_len=max_len, moe=moe,
+                params=params, cache=cache, activations=act, total=total,
+                device_bytes=device_bytes, headroom=device_bytes - total,
+                fits=total <= device_bytes)
+
+
+def reduced_config(cfg: Config, ratios: tuple) -> Config:
+    """``cfg`` with the main stack replaced by blocks of the given compression ratios (real
+    dimensions, fewer layers; the MTP blocks kept)."""
+    ratios = tuple(ratios)
+    return cfg.replace(n_layers=len(ratios),
+                       compress_ratios=ratios + cfg.compress_ratios[cfg.n_layers:],
+                       n_hash_layers=min(cfg.n_hash_layers, len(ratios)))
+
+
+def abstract_step(cfg: Config, mesh: Mesh, batch: int, seq: int, max_len: int,
+                  implementation: str | None = None):
+    """``jax.jit(model.apply).lower(...)`` of a step with abstract, mesh-sharded parameters,
+    cache (donated) and tokens: ``.compile().memory_analysis()`` gives the compiler's
+    per-device figures without allocating the model."""
+    check_batch(batch, mesh)
+    abstract = abstract_params(cfg)
+    shardings = param_shardings(cfg, mesh, abstract)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract, shardings)
+    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, max_len))
+    cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         cache, cache_shardings(cache, mesh))
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
+                                  sharding=NamedSharding(mesh, P(batch_axes(mesh), None)))
+    model = DSV4(cfg, implementation=implementation, runtime_checks=False, mesh=mesh)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
+                   donate_argnames=("c",))
+    return step.lower(params, tokens, cache)
