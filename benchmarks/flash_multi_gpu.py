@@ -1,12 +1,18 @@
-"""DeepSeek-V4-Flash at real size, random weights in checkpoint precision, on a GPU mesh.
+"""DeepSeek-V4-Flash or -Pro at real size, random weights in checkpoint precision, on a GPU mesh.
 
 Parameters are generated directly on the devices with their shardings (no host copy): routed
 experts (packed FP4 + E8M0) split over the ``expert`` axis, embedding/head over the vocabulary,
 the rest replicated. Then one prefill chunk and a jitted decode loop; reports per-device
-memory, compile times and tokens/s. Figures go to stdout and ``$OUT/flash_multi_gpu.json``.
+memory, compile times and tokens/s. Figures go to stdout and ``$OUT/<model>_multi_gpu.json``.
+The batch splits over every device: a smaller batch runs padded to one row per device
+(tokens/s counts the real rows only).
 
     source .device/setup.sh && python3 -P benchmarks/flash_multi_gpu.py --batch 8
     python3 benchmarks/flash_multi_gpu.py --layers 4          # a reduced stack (say so!)
+    python3 benchmarks/flash_multi_gpu.py --model pro --batch 64 --prompt 1024 --max-len 4096
+    # no GPU: lower and compile on 8 simulated CPU devices with abstract parameters
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+        python3 benchmarks/flash_multi_gpu.py --model pro --layers 2 --dry-run
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax import sharding
+from dsv4_jax import plan, sharding
+from dsv4_jax.mesh_rules import axis_size
 
 
 def gib(n):
@@ -40,14 +47,20 @@ def device_memory():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=None, help="reduce the stack (default: 43)")
+    ap.add_argument("--model", "--config", dest="model", default="flash",
+                    choices=("flash", "pro", "tiny"),
+                    help="tiny: a dry run of this script on any machine")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="reduce the stack to its first N layers (default: all; MTP kept)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256, help="prefill tokens per row")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed")
     ap.add_argument("--max-len", type=int, default=4096)
-    ap.add_argument("--data", type=int, default=1)
-    ap.add_argument("--config", default="flash", choices=("flash", "tiny"),
-                    help="tiny: a dry run of this script on any machine")
+    ap.add_argument("--data", type=int, default=1, help="mesh data axis")
+    ap.add_argument("--expert", type=int, default=None,
+                    help="mesh expert axis (default: the devices not used by --data)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="lower and compile with abstract parameters and cache; allocate nothing")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     report = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(args))
@@ -55,18 +68,34 @@ def main():
     def log(**kw):
         report.update(kw)
         print(json.dumps(kw), flush=True)
-        with open(os.path.join(out_dir, "flash_multi_gpu.json"), "w") as f:
+        with open(os.path.join(out_dir, f"{args.model}_multi_gpu.json"), "w") as f:
             json.dump(report, f, indent=1)
 
-    cfg = getattr(dj.Config, args.config)(quantized=True)
+    cfg = getattr(dj.Config, args.model)(quantized=True)
     if args.layers:
-        cfg = cfg.replace(n_layers=args.layers,
-                          compress_ratios=cfg.compress_ratios[:args.layers] + (0,))
-    mesh = sharding.make_mesh(data=args.data)
+        cfg = plan.reduced_config(cfg, cfg.compress_ratios[:args.layers])
+    mesh = sharding.make_mesh(data=args.data, expert=args.expert)
+    n_rows = axis_size(mesh, "batch")
+    b, p = -(-args.batch // n_rows) * n_rows, args.prompt        # rows run (padded)
     need = sharding.check_fits(cfg, mesh)
-    log(config=f"{args.config} layers={cfg.n_layers} params={dj.param_count(cfg) / 1e9:.1f}B",
-        mesh=dict(mesh.shape), params_per_device_gib=gib(need),
-        memory_table=sharding.memory_table(cfg, (1, 2, 4, 8), batch=args.batch))
+    log(config=f"{args.model} layers={cfg.n_layers} params={dj.param_count(cfg) / 1e9:.1f}B",
+        mesh=dict(mesh.shape), rows_run=b, params_per_device_gib=gib(need),
+        memory_table=sharding.memory_table(cfg, (1, 2, 4, 8), batch=args.batch),
+        plan_gib={f"{what}_{moe}": {k: gib(v) for k, v in plan.memory_plan(
+            cfg, mesh, batch=b, seq=s, max_len=args.max_len, moe=moe).items()
+            if k in ("params", "cache", "activations", "total")}
+            for what, s in (("prefill", p), ("decode", 1)) for moe in ("kernel", "xla")})
+    if args.dry_run:
+        for what, s in (("prefill", p), ("decode", 1)):
+            t = time.perf_counter()
+            lowered = plan.abstract_step(cfg, mesh, b, s, args.max_len)
+            lower_s = time.perf_counter() - t
+            ma = lowered.compile().memory_analysis()
+            log(**{f"{what}_dry_run": dict(
+                lower_s=round(lower_s, 1), compile_s=round(time.perf_counter() - t - lower_s, 1),
+                argument_gib=gib(ma.argument_size_in_bytes), temp_gib=gib(ma.temp_size_in_bytes),
+                output_gib=gib(ma.output_size_in_bytes))})
+        return
 
     t = time.perf_counter()
     params = dj.init_params(cfg, 0, shardings=sharding.param_shardings(cfg, mesh))
@@ -74,7 +103,6 @@ def main():
     log(init_s=round(time.perf_counter() - t, 1), memory_after_init=device_memory())
 
     model = dj.DSV4(cfg, mesh=mesh, runtime_checks=False)
-    b, p = args.batch, args.prompt
     tokens = jax.random.randint(jax.random.key(1), (b, p), 2, cfg.vocab_size, jnp.int32)
     cache = dj.Cache.init(cfg, b, args.max_len, mesh=mesh)
     prefill = jax.jit(lambda prm, t, c: model.apply({"params": prm}, t, c, logits_at="last"),
@@ -89,7 +117,7 @@ def main():
     logits, cache = compiled(params, tokens, cache)
     jax.block_until_ready(logits)
     prefill_s = time.perf_counter() - t
-    log(prefill_s=round(prefill_s, 3), prefill_tokens_per_s=round(b * p / prefill_s, 1),
+    log(prefill_s=round(prefill_s, 3), prefill_tokens_per_s=round(args.batch * p / prefill_s, 1),
         logits_finite=bool(jnp.all(jnp.isfinite(logits))), memory_after_prefill=device_memory())
 
     nxt = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
@@ -104,7 +132,7 @@ def main():
         jax.block_until_ready(nxt)
         times.append(time.perf_counter() - t)
     med = statistics.median(times[2:])
-    log(decode_step_median_s=round(med, 4), decode_tokens_per_s=round(b / med, 1),
+    log(decode_step_median_s=round(med, 4), decode_tokens_per_s=round(args.batch / med, 1),
         decode_steps=len(times), memory_after_decode=device_memory(),
         generated_ids_sample=np.asarray(nxt[:, 0]).tolist())
 
