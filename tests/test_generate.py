@@ -49,6 +49,26 @@ def test_stream_yields_the_same_tokens_as_generate(tiny, sampler):
     assert events[-1].done.all()
 
 
+@pytest.mark.parametrize("sampler", [sampling.Greedy(), sampling.Temperature(1.0)])
+def test_speculative_stream_yields_the_tokens_and_logprobs_of_generate(sampler):
+    """Each verify step yields the tokens it kept (one or two per row), as they come."""
+    cfg = CFG.replace(vocab_size=6, eos_token_id=0)
+    model, params = dj.DSV4(cfg), dj.init_params(cfg, 0)
+    prompts = [[p % 6 for p in prompt] for prompt in PROMPTS]
+    result = generate(model, params, prompts, 12, sampler, stop_tokens=(), seed=3,
+                      speculative=True, logprobs=True)
+    events = list(stream(model, params, prompts, 12, sampler, stop_tokens=(), seed=3,
+                         speculative=True, logprobs=True))
+    for row, want in enumerate(result.tokens):
+        got = [(int(e.tokens[row]), float(e.logprobs[row])) for e in events if e.tokens[row] >= 0]
+        assert [t for t, _ in got] == want
+        np.testing.assert_allclose([lp for _, lp in got], result.logprobs[row], atol=1e-5)
+        last = max(k for k, e in enumerate(events) if e.tokens[row] >= 0)
+        assert [bool(e.done[row]) for e in events] == [k >= last for k in range(len(events))]
+    # accepted drafts made steps that kept two tokens: fewer steps than tokens
+    assert result.stats["accepted"] > 0
+
+
 def test_sampling_is_reproducible_with_a_seed(tiny):
     model, params = tiny
     s = sampling.Temperature(1.0)
@@ -209,4 +229,4 @@ def test_main_command_rejects_bad_arguments(capsys, tmp_path):
     assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens" in capsys.readouterr().err
+    assert "--max-new-tokens" in capsys.readouterr().err
