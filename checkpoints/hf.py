@@ -172,20 +172,19 @@ _SIZE_KEYS = {"dim": "hidden_size", "vocab_size": "vocab_size", "q_lora_rank": "
 
 
 def _likely_cause(wrong: list, ckpt: HFDirectory) -> str:
-    """When most wrongly shaped tensors differ in one size, name the config.json key that
-    holds it: ``hidden_size is 4096 but the tensors have 7168``."""
-    pairs = Counter((w, g) for want, got in wrong if len(want) == len(got)
-                    for w, g in zip(want, got) if w != g)
-    if not pairs:
+    """The config.json size key that most wrongly shaped tensors disagree with, e.g.
+    ``hidden_size is 512 in config.json, but 40 tensors have 256 there``."""
+    best = None
+    for key in _SIZE_KEYS.values():
+        want = ckpt.hf_config.get(key)
+        found = Counter(g for w_shape, g_shape in wrong if len(w_shape) == len(g_shape)
+                        for w, g in zip(w_shape, g_shape) if w == want and g != want)
+        if found and (best is None or sum(found.values()) > best[2]):
+            best = (key, want, sum(found.values()), found.most_common(1)[0][0])
+    if best is None:
         return ""
-    (want, got), count = pairs.most_common(1)[0]
-    if count * 2 < len(wrong):
-        return ""
-    keys = [k for f, k in _SIZE_KEYS.items() if ckpt.hf_config.get(k) == want]
-    if not keys:
-        return f"{count} tensors have a size {got} where config.json implies {want}"
-    return (f"{' or '.join(keys)} is {want} in config.json, but {count} tensors have "
-            f"{got} there")
+    key, want, count, got = best
+    return f"{key} is {want} in config.json, but {count} tensors have {got} there"
 
 
 # ----------------------------------------------------------------------------- reading

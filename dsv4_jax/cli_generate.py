@@ -166,7 +166,12 @@ def printable(text: str, keep: str = "\n\t") -> str:
     return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
 
 
+_NAMED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
 def _escape(c: str) -> str:
+    if c in _NAMED_ESCAPES:
+        return _NAMED_ESCAPES[c]
     o = ord(c)
     return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
 

@@ -11,9 +11,8 @@ ALLOWED_MARKER = "gpu"
 
 def _reason(report) -> str:
     longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        return str(longrepr[2])
-    return str(longrepr)
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else longrepr
+    return str(reason).removeprefix("Skipped: ")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -135,7 +135,8 @@ def test_streaming_several_prompts_prints_rows_as_they_come(capsys):
     out = capsys.readouterr().out.splitlines()
     pieces = [line for line in out if line.startswith(("[0] '", "[1] '")) and "->" not in line]
     summary = [line for line in out if "->" in line]
-    assert len(pieces) >= 2 and len(summary) == 2
+    assert pieces and len(summary) == 2
+    assert out.index(pieces[-1]) < out.index(summary[0])      # printed before the end
     # the streamed pieces of each row add up to its final text
     for row, line in enumerate(summary):
         streamed = "".join(eval(p[4:]) for p in pieces if p.startswith(f"[{row}]"))
