@@ -35,8 +35,9 @@ def test_help_does_not_import_jax():
 def test_second_identical_run_compiles_nothing(tmp_path):
     env = {**os.environ, "DSV4_COMPILATION_CACHE": str(tmp_path / "cache")}
     args = ("generate", "--prompt", "The capital of France is", "--max-new-tokens", "4")
-    first = run_cli(*args, env=env)
+    first = run_cli(*args, env=env)           # the README's main command (shorter)
     assert first.returncode == 0, first.stderr
+    assert "The capital of France is" in first.stdout and "tokens/s" in first.stdout
     assert "(cached)" not in first.stdout and os.listdir(tmp_path / "cache")
     second = run_cli(*args, env=env)
     assert second.returncode == 0, second.stderr
@@ -94,8 +95,19 @@ def test_prompts_file_problems_name_the_file(no_model_load, capsys, tmp_path):
     assert capsys.readouterr().err == f"error: --prompts-file {missing!r}: no such file\n"
 
 
-def test_chat_shows_the_users_text_not_the_template(capsys):
+def test_chat_shows_the_users_text_not_the_template(capsys, monkeypatch):
+    """The model gets the chat template; the output line shows what the user typed."""
+    from dsv4_jax import generation
+    from dsv4_jax.tokenizer import encode_chat
+    real_generate, seen = generation.generate, []
+
+    def recording_generate(model, params, prompts, *args, **kw):
+        seen.extend(prompts)
+        return real_generate(model, params, prompts, *args, **kw)
+
+    monkeypatch.setattr(generation, "generate", recording_generate)
     assert main(["generate", "--prompt", "Hi there", "--chat", "--max-new-tokens", "2"]) == 0
+    assert seen == [encode_chat([{"role": "user", "content": "Hi there"}])]
     out = capsys.readouterr().out
     assert out.startswith("[0] 'Hi there' -> ")
     assert "User" not in out and "<｜" not in out
@@ -129,27 +141,34 @@ def test_stream_printer_redraws_one_line_per_row_on_a_terminal():
                     "\x1b[2F\x1b[2K[0] xz\n\x1b[2K[1] y\\n\n")
 
 
-def test_streaming_several_prompts_prints_rows_as_they_come(capsys):
-    assert main(["generate", "--prompt", "ab", "--prompt", "cd", "--stream",
-                 "--max-new-tokens", "3", "--logprobs"]) == 0
+def test_streaming_several_prompts_with_logprobs(capsys):
+    """Rows are printed as they come (a pipe gets one line per new piece), and the summary
+    equals that of the same run without --stream, logprobs included. (The notebook's
+    prompts and budget: the same compiled programs serve both.)"""
+    args = ["generate", "--prompt", "The capital of France is", "--prompt", "Hello",
+            "--max-new-tokens", "16", "--logprobs"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out.splitlines()
+    assert main(args + ["--stream"]) == 0
     out = capsys.readouterr().out.splitlines()
     pieces = [line for line in out if line.startswith(("[0] '", "[1] '")) and "->" not in line]
-    summary = [line for line in out if "->" in line]
-    assert pieces and len(summary) == 2
-    assert out.index(pieces[-1]) < out.index(summary[0])      # printed before the end
+    summary = [line for line in out if "->" in line or "logprobs:" in line]
+    assert summary == [line for line in plain if "->" in line or "logprobs:" in line]
+    assert len(summary) == 4
+    if pieces:
+        assert out.index(pieces[-1]) < out.index(summary[0])   # printed before the end
     # the streamed pieces of each row add up to its final text
-    for row, line in enumerate(summary):
+    for row in range(2):
         streamed = "".join(eval(p[4:]) for p in pieces if p.startswith(f"[{row}]"))
+        line = summary[2 * row]
         assert line.split(" -> ")[1].rsplit(" (", 1)[0] == repr(streamed)
-    logprob_lines = [line for line in out if line.strip().startswith("logprobs:")]
-    assert len(logprob_lines) == 2
     assert all(ch >= " " for line in out for ch in line)
 
 
-def test_streaming_speculative_runs_from_the_command_line(capsys):
-    args = ["generate", "--prompt", "ab", "--max-new-tokens", "5"]
-    assert main(args + ["--speculative"]) == 0
-    plain = capsys.readouterr().out.splitlines()[0]
-    assert main(args + ["--speculative", "--stream"]) == 0
-    streamed = capsys.readouterr().out.splitlines()
-    assert [line for line in streamed if line.startswith("[0] 'ab' -> ")] == [plain]
+def test_streaming_speculative_from_the_command_line(capsys):
+    """(That speculative streams equal speculative generate is tested in test_generate.)"""
+    assert main(["generate", "--prompt", "ab", "--max-new-tokens", "3", "--stream",
+                 "--speculative", "--logprobs"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("[0] 'ab' -> ")]
+    assert out[-1].startswith(tuple(f"{n} tokens | " for n in range(4)))
