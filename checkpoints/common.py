@@ -232,6 +232,13 @@ def progress_bar(progress, total: int, desc: str, unit: str = "B"):
                 dynamic_ncols=True)
 
 
-def raise_if(lines: list[str], header: str):
+MAX_LISTED = 10
+
+
+def raise_if(lines: list[str], header: str, limit: int = MAX_LISTED):
+    """One CheckpointError: ``header`` (the cause, one line), then the first ``limit``
+    problems and "... and N more" (a wrong config can mismatch every tensor)."""
     if lines:
-        raise CheckpointError(header + "\n  " + "\n  ".join(lines))
+        shown = lines[:limit] + ([f"... and {len(lines) - limit} more"]
+                                 if len(lines) > limit else [])
+        raise CheckpointError(header + "\n  " + "\n  ".join(shown))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 import jax
@@ -121,7 +122,7 @@ class HFDirectory:
 def detect_config(ckpt: HFDirectory) -> Config:
     """``Config.from_hf`` plus the expert storage read off the headers when config.json
     omits ``expert_dtype`` (FP8 -Base checkpoints store FP8 experts)."""
-    cfg = Config.from_hf_dict(ckpt.hf_config)
+    cfg = Config.from_hf_dict(ckpt.hf_config, source=os.path.join(ckpt.path, "config.json"))
     if not cfg.quantized:
         return cfg
     probe = next((n for n in sorted(ckpt.tensors) if _EXPERT_PROBE.match(n)), None)
@@ -147,6 +148,7 @@ def check_inventory(ckpt: HFDirectory, inventory: list[FileTensor]) -> None:
         lines.append(f"{len(missing)} missing tensors: {summarize_names(missing)}")
     if extra:
         lines.append(f"{len(extra)} unexpected tensors: {summarize_names(extra)}")
+    wrong = []
     for name, t in expected.items():
         if name not in present:
             continue
@@ -154,9 +156,35 @@ def check_inventory(ckpt: HFDirectory, inventory: list[FileTensor]) -> None:
         # scales may be stored as F32 powers of two (FP8 -Base checkpoints)
         ok_dtypes = (t.dtype, "F32") if t.dtype == "F8_E8M0" else (t.dtype,)
         if info.shape != t.shape or info.dtype not in ok_dtypes:
+            wrong.append((t.shape, info.shape))
             lines.append(f"{name}: expected {t.dtype}{list(t.shape)}, got "
                          f"{info.dtype}{list(info.shape)} in {os.path.basename(st.path)}")
-    raise_if(lines, f"checkpoint {ckpt.path} does not match its configuration:")
+    cause = _likely_cause(wrong, ckpt)
+    raise_if(lines, f"checkpoint {ckpt.path} does not match its config.json"
+                    + (f" ({cause})" if cause else "") + ":")
+
+
+# config.json keys whose value sizes tensors, by Config field
+_SIZE_KEYS = {"dim": "hidden_size", "vocab_size": "vocab_size", "q_lora_rank": "q_lora_rank",
+              "o_lora_rank": "o_lora_rank", "head_dim": "head_dim",
+              "moe_inter_dim": "moe_intermediate_size", "n_routed_experts": "n_routed_experts",
+              "index_head_dim": "index_head_dim", "index_n_heads": "index_n_heads"}
+
+
+def _likely_cause(wrong: list, ckpt: HFDirectory) -> str:
+    """The config.json size key that most wrongly shaped tensors disagree with, e.g.
+    ``hidden_size is 512 in config.json, but 40 tensors have 256 there``."""
+    best = None
+    for key in _SIZE_KEYS.values():
+        want = ckpt.hf_config.get(key)
+        found = Counter(g for w_shape, g_shape in wrong if len(w_shape) == len(g_shape)
+                        for w, g in zip(w_shape, g_shape) if w == want and g != want)
+        if found and (best is None or sum(found.values()) > best[2]):
+            best = (key, want, sum(found.values()), found.most_common(1)[0][0])
+    if best is None:
+        return ""
+    key, want, count, got = best
+    return f"{key} is {want} in config.json, but {count} tensors have {got} there"
 
 
 # ----------------------------------------------------------------------------- reading

@@ -6,18 +6,52 @@
     params = dj.init_params(cfg, jax.random.key(0))
     cache = dj.Cache.init(cfg, batch=2, max_len=1024)
     logits, cache = model.apply({"params": params}, tokens, cache)
+
+Importing the package sets XLA's exact-rounding flag (``_xla_flags``) and nothing else: the
+names below import their modules (and JAX) on first use, so the command line's ``--help``
+needs no JAX.
 """
+import importlib
+
 from ._xla_flags import EXACT_ROUNDING  # noqa: F401  first: XLA_FLAGS must precede backend creation
-from .config import Config
-from .cache import Cache, LayerCache
-from .models.transformer import DSV4
-from .params import init_params, abstract_params, param_count
-from .checkpoints import load, save
-from . import sampling, introspect
-from .sampling import Greedy, Temperature, TopK, TopP, MinP
-from .generation import generate, stream
+
+# public name -> (module, attribute; None for the module itself)
+_EXPORTS = {
+    "Config": (".config", "Config"),
+    "Cache": (".cache", "Cache"),
+    "LayerCache": (".cache", "LayerCache"),
+    "DSV4": ("dsv4_jax.models.transformer", "DSV4"),
+    "init_params": (".params", "init_params"),
+    "abstract_params": (".params", "abstract_params"),
+    "param_count": (".params", "param_count"),
+    "sampling": (".sampling", None),
+    "introspect": (".introspect", None),
+    "Greedy": (".sampling", "Greedy"),
+    "Temperature": (".sampling", "Temperature"),
+    "TopK": (".sampling", "TopK"),
+    "TopP": (".sampling", "TopP"),
+    "MinP": (".sampling", "MinP"),
+    "generate": (".generation", "generate"),
+    "stream": (".generation", "stream"),
+    "load": ("dsv4_jax.checkpoints", "load"),
+    "save": ("dsv4_jax.checkpoints", "save"),
+}
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
            "param_count", "generate", "stream", "Greedy", "Temperature", "TopK", "TopP", "MinP",
            "sampling", "introspect"]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dsv4_jax' has no attribute {name!r}")
+    module_name, attr = _EXPORTS[name]
+    module = importlib.import_module(module_name, __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
 

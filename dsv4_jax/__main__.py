@@ -1,4 +1,8 @@
-"""Command line: ``python -m dsv4_jax {generate,convert} ...``."""
+"""Command line: ``python -m dsv4_jax {generate,convert} ...``.
+
+Nothing here imports JAX before a command runs, so ``--help`` answers at once; the converter's
+arguments (``dsv4_jax.checkpoints`` imports JAX) are read only for ``convert``.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +10,7 @@ import sys
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="python -m dsv4_jax",
                                      description="DeepSeek-V4 inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -14,11 +19,13 @@ def main(argv=None) -> int:
         "generate", help="generate text (default: the embedded tiny model, no download)"))
     convert_parser = sub.add_parser(
         "convert", help="write an orbax checkpoint from an official HF directory")
-    try:
-        from dsv4_jax.checkpoints import convert
-        convert.add_arguments(convert_parser)
-    except ImportError as e:            # keep `generate` usable if the loader cannot import
-        convert, convert_error = None, e
+    convert, convert_error = None, None
+    if argv[:1] == ["convert"]:
+        try:
+            from dsv4_jax.checkpoints import convert
+            convert.add_arguments(convert_parser)
+        except ImportError as e:        # keep `generate` usable if the loader cannot import
+            convert_error = e
     args = parser.parse_args(argv)
     if args.command == "generate":
         return cli_generate.main(args)

@@ -13,12 +13,15 @@ first does that. Set ``DSV4_ALLOW_EXCESS_PRECISION=1`` to leave XLA_FLAGS untouc
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 FLAG = "--xla_allow_excess_precision=false"
 
 
 def _backends_initialized() -> bool:
+    if "jax" not in sys.modules:        # no JAX yet, so no backend (and none imported here)
+        return False
     try:
         from jax._src import xla_bridge
         return bool(getattr(xla_bridge, "_backends", {}))

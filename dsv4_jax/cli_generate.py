@@ -3,11 +3,15 @@
 Without ``--model`` it runs the embedded default -- ``Config.tiny()`` with parameters from a
 fixed seed, byte-level tokenizer -- so it works anywhere with no download (its text is noise:
 the weights are random). ``--model`` takes an official HF directory or an orbax directory.
+
+Every argument is checked before the model loads; errors are one line on stderr, exit code 2.
+This module imports no JAX at import time, so ``--help`` answers at once.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 
@@ -15,7 +19,7 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=[],
                    help="prompt text (repeat for a batch)")
-    p.add_argument("--prompts-file", help="file with one prompt per line (batched)")
+    p.add_argument("--prompts-file", help="UTF-8 file with one prompt per line (batched)")
     p.add_argument("--model", help="HF safetensors or orbax checkpoint directory "
                                    "(default: the embedded tiny random model)")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -27,11 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", type=int, action="append", default=None,
                    help="stop token id (repeatable; default: the config's EOS)")
-    p.add_argument("--stream", action="store_true", help="print tokens as they come")
+    p.add_argument("--stream", action="store_true",
+                   help="print tokens as they come (several prompts: one line per prompt)")
     p.add_argument("--speculative", action="store_true", help="MTP speculative decoding")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt as a user message (DSV4 chat encoding)")
     p.add_argument("--logprobs", action="store_true", help="print per-token log-probabilities")
+    p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
+                   help="persistent compilation cache folder, or 'off' (default: "
+                        "$DSV4_COMPILATION_CACHE, else ~/.cache/dsv4_jax/jax)")
 
 
 def build_sampler(args):
@@ -53,80 +61,195 @@ def build_sampler(args):
     return sampling.Temperature(t)
 
 
+def read_prompts(args) -> list[str]:
+    """``--prompt``s then the lines of ``--prompts-file``; ValueError naming what is wrong."""
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        path = args.prompts_file
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+        except FileNotFoundError:
+            raise ValueError(f"--prompts-file {path!r}: no such file") from None
+        except IsADirectoryError:
+            raise ValueError(f"--prompts-file {path!r} is a directory") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte "
+                             f"0x{e.object[e.start]:02x} at offset {e.start})") from None
+        if not lines:
+            raise ValueError(f"--prompts-file {path!r} holds no prompt (it is empty or blank)")
+        prompts += lines
+    if not prompts:
+        raise ValueError("give at least one --prompt or a --prompts-file")
+    return prompts
+
+
+def check_arguments(args) -> None:
+    """What can be checked without the model (so a typo costs no load)."""
+    if args.max_new_tokens <= 0:
+        raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.max_len is not None and args.max_len <= 0:
+        raise ValueError(f"--max-len must be positive, got {args.max_len}")
+    if args.model is not None and not os.path.isdir(args.model):
+        raise ValueError(f"--model: no such directory {args.model!r}")
+
+
 def load_model(path):
     import dsv4_jax as dj
     from dsv4_jax.tokenizer import ByteTokenizer, load_tokenizer
     if path is None:
         cfg = dj.Config.tiny()
         return dj.DSV4(cfg), dj.init_params(cfg, 0), ByteTokenizer(cfg.vocab_size)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--model: no such directory {path!r}")
     model, params = dj.load(path)
     return model, params, load_tokenizer(path, model.config.vocab_size)
 
 
 def main(args) -> int:
     try:
+        check_arguments(args)
         sampler = build_sampler(args)
-        prompts = list(args.prompt)
-        if args.prompts_file:
-            with open(args.prompts_file) as f:
-                prompts += [line.rstrip("\n") for line in f if line.strip()]
-        if not prompts:
-            raise ValueError("give at least one --prompt or a --prompts-file")
+        prompts = read_prompts(args)
+        from dsv4_jax.compilation_cache import enable_compilation_cache
+        enable_compilation_cache(args.compilation_cache)
+        inputs = prompts
+        if args.chat:          # the model reads the chat template; the user sees their text
+            from dsv4_jax.tokenizer import encode_chat
+            inputs = [encode_chat([{"role": "user", "content": p}]) for p in prompts]
         t0 = time.perf_counter()
         model, params, tokenizer = load_model(args.model)
         load_s = time.perf_counter() - t0
-        if args.chat:
-            from dsv4_jax.tokenizer import encode_chat
-            prompts = [encode_chat([{"role": "user", "content": p}]) for p in prompts]
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import jax
-    from dsv4_jax.generation import generate
-    kw = dict(tokenizer=tokenizer, stop_tokens=args.stop, seed=args.seed, max_len=args.max_len)
+    from dsv4_jax.generation import generate, stream
+    kw = dict(tokenizer=tokenizer, stop_tokens=args.stop, seed=args.seed, max_len=args.max_len,
+              logprobs=args.logprobs, speculative=args.speculative)
     print(f"model: {args.model or 'embedded tiny (random weights, seed 0)'} | device: "
           f"{jax.devices()[0].platform} | load {load_s:.1f}s", file=sys.stderr)
     try:
         if args.stream:
-            return _run_stream(model, params, prompts, args, sampler, kw)
-        result = generate(model, params, prompts, args.max_new_tokens, sampler,
-                          logprobs=args.logprobs, speculative=args.speculative, **kw)
+            stop = set(args.stop if args.stop is not None else (model.config.eos_token_id,))
+            return _run_stream(stream(model, params, inputs, args.max_new_tokens, sampler, **kw),
+                               prompts, stop, args.logprobs)
+        result = generate(model, params, inputs, args.max_new_tokens, sampler, **kw)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for i, (p, text) in enumerate(zip(prompts, result.text)):
-        print(f"[{i}] {p!r} -> {text!r} ({result.finish_reasons[i]}, "
+    for i, p in enumerate(prompts):
+        print(f"[{i}] {p!r} -> {result.text[i]!r} ({result.finish_reasons[i]}, "
               f"{len(result.tokens[i])} tokens)")
         if args.logprobs:
             print(f"    logprobs: {[round(x, 3) for x in result.logprobs[i]]}")
     s = result.stats
     extra = (f" | acceptance {s['acceptance_rate']:.2f}" if "acceptance_rate" in s else "")
-    print(f"{s['generated_tokens']} tokens | {s['tokens_per_s']:.1f} tokens/s | compile "
-          f"{s['compile_s']:.1f}s ({s['compilations']} programs){extra}")
+    print(f"{s['generated_tokens']} tokens | {s['tokens_per_s']:.1f} tokens/s | "
+          f"{compile_summary(s['compile_s'], s['compilations'], s['cache_hits'], s['trace_s'])}"
+          f"{extra}")
     return 0
 
 
-def _run_stream(model, params, prompts, args, sampler, kw) -> int:
-    from dsv4_jax._monitor import count_compilations
-    from dsv4_jax.generation import stream
-    texts = [""] * len(prompts)
-    n, t0 = 0, time.perf_counter()
-    with count_compilations() as compiled:
-        for event in stream(model, params, prompts, args.max_new_tokens, sampler, **kw):
-            n += int((event.tokens >= 0).sum())
-            for i, piece in enumerate(event.text):
-                texts[i] += piece
-            if len(prompts) == 1:
-                print(event.text[0], end="", flush=True)
-    elapsed = time.perf_counter() - t0
-    if len(prompts) == 1:
-        print()
+def compile_summary(compile_s, compilations, cache_hits, trace_s) -> str:
+    """``compile 0.0 s (cached)`` when every program came from the persistent cache."""
+    if compilations == 0 and cache_hits:
+        what = "cached"
+    elif cache_hits:
+        what = f"{compilations} programs, {cache_hits} cached"
     else:
-        for i, (p, text) in enumerate(zip(prompts, texts)):
-            print(f"[{i}] {p!r} -> {text!r}")
+        what = f"{compilations} programs"
+    return f"compile {compile_s:.1f} s ({what}) | trace {trace_s:.1f} s"
+
+
+def printable(text: str, keep: str = "\n\t") -> str:
+    """``text`` with every non-printable character (control bytes, ...) written as an escape,
+    except those in ``keep``: generated text must not drive the terminal."""
+    return "".join(c if c.isprintable() or c in keep else _escape(c) for c in text)
+
+
+_NAMED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape(c: str) -> str:
+    if c in _NAMED_ESCAPES:
+        return _NAMED_ESCAPES[c]
+    o = ord(c)
+    return f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}" if o < 0x10000 else f"\\U{o:08x}"
+
+
+class StreamPrinter:
+    """Shows a stream as it comes. One prompt: its text, escaped, as it grows. Several
+    prompts on a terminal: one line per prompt, redrawn in place; elsewhere (a pipe, a log):
+    one ``[row] 'piece'`` line per new piece. Then per row the same summary ``generate``
+    prints."""
+
+    def __init__(self, prompts, stop, out=None, tty=None):
+        self.prompts, self.stop = prompts, stop
+        self.out = out or sys.stdout
+        self.tty = self.out.isatty() if tty is None else tty
+        self.texts = [""] * len(prompts)
+        self.tokens = [[] for _ in prompts]
+        self.logprobs = [[] for _ in prompts]
+        self.drawn = False
+
+    def add(self, event) -> None:
+        for r, t in enumerate(event.tokens.tolist()):
+            if t >= 0:
+                self.tokens[r].append(t)
+                if event.logprobs is not None:
+                    self.logprobs[r].append(float(event.logprobs[r]))
+        pieces = event.text or [""] * len(self.prompts)
+        for r, piece in enumerate(pieces):
+            self.texts[r] += piece
+        if len(self.prompts) == 1:
+            self.out.write(printable(pieces[0]))
+        elif self.tty:
+            self._redraw()
+        else:
+            for r, piece in enumerate(pieces):
+                if piece:
+                    self.out.write(f"[{r}] {piece!r}\n")
+        self.out.flush()
+
+    def _redraw(self) -> None:
+        width = max(20, shutil.get_terminal_size().columns - 1)
+        if self.drawn:
+            self.out.write(f"\x1b[{len(self.prompts)}F")        # back to the first row line
+        for r, text in enumerate(self.texts):
+            text = printable(text, keep="")
+            if len(f"[{r}] {text}") > width:                     # show the newest text
+                head = f"[{r}] ..."
+                text = "..." + text[len(text) - (width - len(head)):]
+            self.out.write(f"\x1b[2K[{r}] {text}\n")
+        self.drawn = True
+
+    def close(self, logprobs: bool) -> int:
+        """Per-row summary lines; returns the number of tokens (stop tokens excluded)."""
+        if len(self.prompts) == 1:
+            self.out.write("\n")
+        n = 0
+        for r, (prompt, text) in enumerate(zip(self.prompts, self.texts)):
+            ids = self.tokens[r]
+            reason = "stop" if ids and ids[-1] in self.stop else "length"
+            kept = ids[:-1] if reason == "stop" else ids
+            n += len(kept)
+            print(f"[{r}] {prompt!r} -> {text!r} ({reason}, {len(kept)} tokens)", file=self.out)
+            if logprobs:
+                print(f"    logprobs: {[round(x, 3) for x in self.logprobs[r][:len(kept)]]}",
+                      file=self.out)
+        return n
+
+
+def _run_stream(events, prompts, stop, logprobs) -> int:
+    from dsv4_jax._monitor import count_compilations
+    printer = StreamPrinter(prompts, stop)
+    t0 = time.perf_counter()
+    with count_compilations() as compiled:
+        for event in events:
+            printer.add(event)
+    elapsed = time.perf_counter() - t0
+    n = printer.close(logprobs)
     run_s = max(elapsed - compiled.seconds, 1e-9)
-    print(f"{n} tokens | {n / run_s:.1f} tokens/s | compile {compiled.seconds:.1f}s "
-          f"({compiled.compilations} programs)")
+    summary = compile_summary(compiled.compile_s, compiled.compilations, compiled.cache_hits,
+                              compiled.trace_s)
+    print(f"{n} tokens | {n / run_s:.1f} tokens/s | {summary}")
     return 0

@@ -206,14 +206,21 @@ class Config:
         if not os.path.isfile(file):
             raise FileNotFoundError(f"Config.from_hf: no config.json at {path!r}")
         with open(file) as f:
-            hf = json.load(f)
-        return cls.from_hf_dict(hf, **overrides)
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(hf, source=file, **overrides)
 
     @classmethod
-    def from_hf_dict(cls, hf: dict, **overrides) -> "Config":
+    def from_hf_dict(cls, hf: dict, *, source: str = "config.json", **overrides) -> "Config":
         """Build from the parsed HF ``config.json`` dictionary (key names: docs/architecture.md
-        §2.1)."""
+        §2.1). A missing or ill-typed key raises a one-line ValueError naming it and
+        ``source``."""
         overrides = _check_overrides(overrides)
+        if not isinstance(hf, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+        hf = _HFKeys(hf, source)
         arch = hf.get("architectures") or []
         model_type = hf.get("model_type", "")
         if not (any("DeepseekV4" in a for a in arch) or model_type in ("deepseek_v4", "deepseek4")):
@@ -293,6 +300,43 @@ def compressor_overlap(ratio: int) -> int:
 
 def _first(v):
     return v[0] if isinstance(v, (list, tuple)) else v
+
+
+class _HFKeys:
+    """``config.json`` read with type checks: a missing or ill-typed key is one ValueError
+    naming the key and the file (not a KeyError traceback, nor a Config error under our
+    field name)."""
+    _TYPES = {"architectures": list, "model_type": str, "rope_scaling": dict,
+              "quantization_config": dict, "compress_ratios": list, "scoring_func": str,
+              "expert_dtype": str, "eos_token_id": (int, list)}
+    _FLOATS = {"rope_theta", "compress_rope_theta", "routed_scaling_factor", "swiglu_limit",
+               "hc_eps", "rms_norm_eps"}
+
+    def __init__(self, hf: dict, source: str):
+        self.hf, self.source = hf, source
+
+    def __getitem__(self, key):
+        if key not in self.hf:
+            raise ValueError(f"{self.source}: required key {key!r} is missing")
+        return self._checked(key, self.hf[key])
+
+    def get(self, key, default=None):
+        value = self.hf.get(key)
+        return default if value is None else self._checked(key, value)
+
+    def _checked(self, key, value):
+        want = self._TYPES.get(key, float if key in self._FLOATS else int)
+        ok = isinstance(value, want) and not isinstance(value, bool)
+        if want is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key == "compress_ratios" and ok:
+            ok = all(isinstance(r, int) and not isinstance(r, bool) for r in value)
+        if not ok:
+            kind = {list: "a list", dict: "an object", str: "a string", float: "a number",
+                    int: "an integer"}.get(want, "an integer or a list of integers")
+            what = "a list of integers" if key == "compress_ratios" else kind
+            raise ValueError(f"{self.source}: key {key!r} must be {what}, got {value!r}")
+        return value
 
 
 _FIELD_TYPES = None

@@ -109,11 +109,9 @@ def greedy(apply, params, steps=5):
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("hf") / "tiny")
-    params = write_tiny_checkpoint(path, CFG, seed=0, shards=3)
-    # committed like loaded arrays, so jitted calls share one compilation
-    return path, jax.device_put(params, jax.devices()[0])
+def ckpt(hf_checkpoint):
+    assert hf_checkpoint.config == CFG
+    return hf_checkpoint.path, hf_checkpoint.params
 
 
 @pytest.fixture(scope="module")

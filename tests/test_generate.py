@@ -90,6 +90,23 @@ def test_speculative_greedy_equals_plain_greedy(vocab):
     assert 0 <= rate <= 1 and spec.stats["drafts"] > 0
     if vocab == 6:
         assert rate > 0.2, spec.stats
+        assert_speculative_stream_matches(model, params, prompts, spec)
+
+
+def assert_speculative_stream_matches(model, params, prompts, result):
+    """Streaming speculative decoding yields, step by step, the tokens each verify step kept
+    (one or two per row) -- together those of generate -- with their logprobs; a row is
+    done from its last token on."""
+    events = list(stream(model, params, prompts, 20, stop_tokens=(), speculative=True,
+                         logprobs=True))
+    for row, want in enumerate(result.tokens):
+        got = [(int(e.tokens[row]), float(e.logprobs[row])) for e in events if e.tokens[row] >= 0]
+        assert [t for t, _ in got] == want
+        np.testing.assert_allclose([lp for _, lp in got], result.logprobs[row], atol=1e-5)
+        last = max(k for k, e in enumerate(events) if e.tokens[row] >= 0)
+        assert [bool(e.done[row]) for e in events] == [k >= last for k in range(len(events))]
+    # accepted drafts put two tokens into one step: fewer events than tokens in all
+    assert len(events) < sum(len(t) for t in result.tokens)
 
 
 def test_speculative_acceptance_rule_preserves_the_target_distribution():
@@ -195,13 +212,6 @@ def test_hf_tokenizer_and_dsv4_chat_encoding(tmp_path):
 
 
 # ----------------------------------------------------------------------------- CLI
-def test_main_command_runs_the_embedded_default(capsys):
-    from dsv4_jax.__main__ import main
-    assert main(["generate", "--prompt", "The capital of France is", "--max-new-tokens", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "tokens/s" in out and "compile" in out and "The capital of France is" in out
-
-
 def test_main_command_rejects_bad_arguments(capsys, tmp_path):
     from dsv4_jax.__main__ import main
     assert main(["generate", "--prompt", "x", "--model", str(tmp_path / "missing")]) == 2
@@ -209,4 +219,4 @@ def test_main_command_rejects_bad_arguments(capsys, tmp_path):
     assert main(["generate", "--prompt", "x", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
     assert main(["generate", "--prompt", "x", "--max-new-tokens", "0"]) == 2
-    assert "max_new_tokens" in capsys.readouterr().err
+    assert "--max-new-tokens" in capsys.readouterr().err

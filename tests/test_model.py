@@ -55,10 +55,11 @@ def test_decode_and_chunked_prefill_match_full_forward(apply32):
 
 
 def test_rows_with_different_lengths_match_each_row_alone(apply32):
-    """Row 1 is padded in the prefill (num_new) and lags by 23 tokens; padding changes nothing."""
-    a = tokens_for(2, 1, 60, CFG32.vocab_size)
-    b = tokens_for(3, 1, 60, CFG32.vocab_size)
-    la, lb = 40, 17
+    """Row 1 is padded in the prefill (num_new) and lags by 25 tokens; padding changes nothing.
+    (The lengths are chunk sizes of the test above: the same programs serve both.)"""
+    a = tokens_for(2, 1, 80, CFG32.vocab_size)
+    b = tokens_for(3, 1, 80, CFG32.vocab_size)
+    la, lb = 62, 37
     # each row alone
     alone = []
     for toks, n in ((a, la), (b, lb)):

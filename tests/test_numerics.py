@@ -126,14 +126,16 @@ def test_prefill_then_decode_of_a_loaded_checkpoint_agrees_with_one_forward(tmp_
     full, decoded = {}, {}
     for sim, dtype in ((False, "bfloat16"), (True, "bfloat16"), (False, "float32")):
         model, params = dj.load(tmp_path, quant_simulation=sim, dtype=dtype, progress=False)
-        fwd = jax.jit(lambda t, c, p=params, m=model: m.apply({"params": p}, t, c))
-        full[sim, dtype], _ = fwd(toks, dj.Cache.init(model.config, 1, 256))
+        fwd = jax.jit(lambda t, c, n, p=params, m=model: m.apply({"params": p}, t, c, num_new=n))
+        full[sim, dtype], _ = fwd(toks, dj.Cache.init(model.config, 1, 256), jnp.array([160]))
         if dtype == "float32":
             continue
-        logits, cache = fwd(toks[:, :150], dj.Cache.init(model.config, 1, 256))
-        steps = [logits]
+        # the 150-token prefill runs in the 160-wide program, the last 10 tokens as padding
+        # (num_new: padding changes no state), as generate pads prompts to a bucket
+        logits, cache = fwd(toks, dj.Cache.init(model.config, 1, 256), jnp.array([150]))
+        steps = [logits[:, :150]]
         for i in range(150, 160):
-            logits, cache = fwd(toks[:, i:i + 1], cache)
+            logits, cache = fwd(toks[:, i:i + 1], cache, jnp.array([1]))
             steps.append(logits)
         decoded[sim] = jnp.concatenate(steps, axis=1)
     bf16_floor = rel(full[False, "bfloat16"], full[False, "float32"])

@@ -1,10 +1,9 @@
 """Quantisation numerics against the official reference vectors and hand-built examples.
 
-The vectors (``../shared/testdata/reference_vectors.npz``) come from DeepSeek's TileLang
-kernels; act_quant, the KV FP8 simulation, the MXFP4 simulation, the Hadamard rotation and
-FP4 weight decoding must match every bit.
+The vectors (``tests/data/reference_vectors.npz``, see tests/data/README.md) come from
+DeepSeek's TileLang kernels; act_quant, the KV FP8 simulation, the MXFP4 simulation, the
+Hadamard rotation and FP4 weight decoding must match every bit.
 """
-import os
 import pathlib
 
 import ml_dtypes
@@ -16,15 +15,11 @@ import jax.numpy as jnp
 from dsv4_jax import quant
 from dsv4_jax.models.mhc import split_sinkhorn
 
-VECTORS = pathlib.Path(os.environ.get(
-    "DSV4_REFERENCE_VECTORS",
-    pathlib.Path(__file__).resolve().parents[2] / "shared" / "testdata" / "reference_vectors.npz"))
+VECTORS = pathlib.Path(__file__).resolve().parent / "data" / "reference_vectors.npz"
 
 
 @pytest.fixture(scope="module")
 def vec():
-    if not VECTORS.exists():
-        pytest.skip(f"reference vectors not found at {VECTORS} (set DSV4_REFERENCE_VECTORS)")
     return dict(np.load(VECTORS))
 
 

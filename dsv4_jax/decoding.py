@@ -1,0 +1,242 @@
+"""The decode driver shared by plain and speculative decoding.
+
+A decoding *method* is two pure functions traced inside ``jax.jit``:
+
+* ``prefill(params, tokens, lengths, cache, key) -> (first, first_logprob, state, cache)``
+  consumes the right-padded prompts and samples each row's first token;
+* ``step(params, state, cache, key, live) -> (tokens [B, K], logprobs [B, K], n_new [B],
+  advance)`` proposes up to ``K`` new tokens per live row (the first ``n_new`` are real);
+  ``advance(done) -> (state, cache)`` then finishes the step once the driver knows which
+  rows are done (speculative decoding skips drafting for them).
+
+The driver owns everything else, once: which proposed tokens are kept (a row stops after a
+stop token or at its budget), where they go in the output, the ``lax.while_loop`` of
+``generate``, the per-step program of ``stream``, timings and the result. Plain decoding
+(generation.py) is a method with ``K = 1``, MTP speculative decoding (speculative.py) one with
+``K = 2``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from .tokenizer import ByteTokenizer
+
+__all__ = ["GenerationResult", "StreamEvent", "Method", "Programs", "Prepared", "bucket",
+           "prepare_prompts", "token_logprob", "build_programs", "finish", "timed"]
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Generated ids per row (stop token excluded), text when a tokenizer is known,
+    per-token log-probabilities (model distribution) when asked, and timings."""
+    tokens: list
+    finish_reasons: list
+    text: list | None = None
+    logprobs: list | None = None
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """One new token position: ``tokens[b]`` is row b's new token, -1 when row b has none
+    here (it has finished, or -- speculative decoding -- its draft was rejected this step);
+    ``done[b]``: row b will yield no further token; ``text[b]``: its new printable text."""
+    step: int
+    tokens: np.ndarray
+    done: np.ndarray
+    logprobs: np.ndarray | None = None
+    text: list | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A decoding method (see the module docstring). ``width``: the most tokens one step
+    proposes; ``extra_len``: cache positions it needs beyond prompt + budget; ``summary``
+    turns the final state into host statistics."""
+    prefill: Callable
+    step: Callable
+    width: int = 1
+    extra_len: int = 0
+    summary: Callable = lambda state: {}
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """Smallest power of two >= max(n, minimum): shapes that are reused across calls."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Prepared:
+    tokens: np.ndarray            # [B, P] right-padded prompt ids
+    lengths: np.ndarray           # [B]
+    stop_tokens: np.ndarray       # [K]
+    max_len: int
+    budget: int                   # max_new_tokens
+    steps: int                    # bucketed budget (static output width)
+    tokenizer: object
+
+
+def prepare_prompts(model, prompts, max_new_tokens, *, tokenizer=None, stop_tokens=None,
+                    max_len=None, extra_len: int = 0) -> Prepared:
+    """Validate and tokenize prompts; choose bucketed shapes. Raises ValueError/TypeError."""
+    cfg = model.config
+    if isinstance(prompts, (str, bytes)) or (isinstance(prompts, Sequence) and prompts
+                                            and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool)
+                                or max_len <= 0):
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    if any(isinstance(p, str) for p in prompts) and tokenizer is None:
+        tokenizer = ByteTokenizer(cfg.vocab_size)
+    ids = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            p = tokenizer.encode(p)
+        p = [int(t) for t in p]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {cfg.vocab_size})")
+        ids.append(p)
+    if stop_tokens is None:
+        stop_tokens = (cfg.eos_token_id,)
+    stop_tokens = tuple(int(t) for t in stop_tokens)
+    bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"stop token {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    longest = max(len(p) for p in ids)
+    width = bucket(longest)
+    steps = bucket(max_new_tokens, 8)
+    needed = longest + max_new_tokens + extra_len
+    if max_len is None:
+        max_len = width + steps + extra_len
+    elif needed > max_len:
+        raise ValueError(f"prompts longer than the cache: the longest prompt has {longest} tokens, "
+                         f"+ max_new_tokens {max_new_tokens} > max_len {max_len}")
+    tokens = np.zeros((len(ids), width), np.int32)
+    for i, p in enumerate(ids):
+        tokens[i, :len(p)] = p
+    return Prepared(tokens, np.array([len(p) for p in ids], np.int32),
+                    np.array(stop_tokens or (-1,), np.int32), int(max_len), max_new_tokens,
+                    steps, tokenizer)
+
+
+def token_logprob(logits, token):
+    """log softmax(logits)[token] per row, in f32 (the model's distribution, not the sampler's)."""
+    return jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1),
+                               token[:, None], axis=-1)[:, 0]
+
+
+def keep_proposed(count, done, tokens, n_new, stop, budget):
+    """Which of a step's proposed tokens are kept, and where they go.
+
+    Row b keeps its proposals in order while it is live, the proposal is real
+    (``j < n_new[b]``), no earlier kept token was a stop token and the budget is not reached.
+    Returns (positions [B, K] in the output, -1 where not kept; new count; new done)."""
+    positions = []
+    stopped = jnp.zeros_like(done)
+    for j in range(tokens.shape[1]):
+        kept = ~done & (j < n_new) & ~stopped & (count < budget)
+        positions.append(jnp.where(kept, count, -1))
+        stopped = stopped | (kept & jnp.isin(tokens[:, j], stop))
+        count = count + kept.astype(jnp.int32)
+    return jnp.stack(positions, axis=1), count, done | stopped | (count >= budget)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The jitted programs of one (method, model, sampler): ``prefill``, ``step`` (one
+    driver step, for ``stream``) and ``loop`` (every step on the device, for ``generate``)."""
+    prefill: Callable
+    step: Callable
+    loop: Callable
+    method: Method
+
+
+def build_programs(method: Method) -> Programs:
+    def start(first, first_lp, stop, budget):
+        """Driver state after prefill: the first token is always kept (at position 0)."""
+        done = jnp.isin(first, stop) | (budget <= 1)
+        return jnp.ones(first.shape, jnp.int32), done
+
+    def one_step(params, state, count, done, cache, key, i, stop, budget):
+        key_i = jax.random.fold_in(key, i)
+        tokens, lps, n_new, advance = method.step(params, state, cache, key_i, ~done)
+        positions, count, new_done = keep_proposed(count, done, tokens, n_new, stop, budget)
+        state, cache = advance(new_done)
+        return state, count, new_done, cache, tokens, lps, positions
+
+    def step(params, state, count, done, cache, key, i, stop, budget):
+        state, count, done, cache, tokens, lps, positions = one_step(
+            params, state, count, done, cache, key, i, stop, budget)
+        kept = positions >= 0
+        return (state, count, done, cache, jnp.where(kept, tokens, -1),
+                jnp.where(kept, lps, 0.0))
+
+    def loop(params, first, first_lp, state, cache, key, stop, budget, steps):
+        b = first.shape[0]
+        rows = jnp.arange(b)[:, None]
+        out = jnp.full((b, steps), -1, jnp.int32).at[:, 0].set(first)
+        lps = jnp.zeros((b, steps), jnp.float32).at[:, 0].set(first_lp)
+        count, done = start(first, first_lp, stop, budget)
+
+        def cond(carry):
+            return ~jnp.all(carry[4])
+
+        def body(carry):
+            i, out, lps, count, done, state, cache = carry
+            state, count, done, cache, tokens, step_lps, positions = one_step(
+                params, state, count, done, cache, key, i, stop, budget)
+            where = jnp.where(positions >= 0, positions, steps)      # `steps`: dropped
+            out = out.at[rows, where].set(tokens, mode="drop")
+            lps = lps.at[rows, where].set(step_lps, mode="drop")
+            return i + 1, out, lps, count, done, state, cache
+
+        carry = (jnp.int32(1), out, lps, count, done, state, cache)
+        _, out, lps, _, _, state, cache = jax.lax.while_loop(cond, body, carry)
+        return out, lps, state, cache
+
+    def prefill(params, tokens, lengths, cache, key, stop, budget):
+        first, first_lp, state, cache = method.prefill(params, tokens, lengths, cache, key)
+        count, done = start(first, first_lp, stop, budget)
+        return first, first_lp, state, count, done, cache
+
+    return Programs(jax.jit(prefill, donate_argnames=("cache",)),
+                    jax.jit(step, donate_argnames=("cache",)),
+                    jax.jit(loop, donate_argnames=("cache",), static_argnames=("steps",)),
+                    method)
+
+
+def finish(prep: Prepared, rows, lps, logprobs: bool, stats: dict) -> GenerationResult:
+    """Host result of the output buffers: rows cut at their first stop token and the budget."""
+    stop = set(prep.stop_tokens.tolist())
+    tokens, reasons, lp_out = [], [], []
+    for r, row in enumerate(rows):
+        row = [int(t) for t in row if t >= 0][:prep.budget]
+        cut = next((k for k, t in enumerate(row) if t in stop), None)
+        reasons.append("stop" if cut is not None else "length")
+        kept = row if cut is None else row[:cut]
+        tokens.append(kept)
+        lp_out.append([float(x) for x in lps[r][:len(kept)]])
+    text = None
+    if prep.tokenizer is not None:
+        text = [prep.tokenizer.decode(t) for t in tokens]
+    return GenerationResult(tokens, reasons, text, lp_out if logprobs else None, stats)
+
+
+def timed(fn, *args, **kw):
+    """``(fn(*args, **kw) ready on the device, seconds)``."""
+    t = time.perf_counter()
+    out = jax.block_until_ready(fn(*args, **kw))
+    return out, time.perf_counter() - t
