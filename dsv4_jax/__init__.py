@@ -33,13 +33,15 @@ _EXPORTS = {
     "MinP": (".sampling", "MinP"),
     "generate": (".generation", "generate"),
     "stream": (".generation", "stream"),
+    "encode_chat": (".chat", "encode_chat"),
+    "parse_completion": (".chat", "parse_completion"),
     "load": ("dsv4_jax.checkpoints", "load"),
     "save": ("dsv4_jax.checkpoints", "save"),
 }
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
            "param_count", "generate", "stream", "Greedy", "Temperature", "TopK", "TopP", "MinP",
-           "sampling", "introspect"]
+           "sampling", "introspect", "encode_chat", "parse_completion"]
 
 
 def __getattr__(name):

@@ -14,9 +14,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsv4_jax",
                                      description="DeepSeek-V4 inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
-    from dsv4_jax import cli_generate
-    cli_generate.add_arguments(sub.add_parser(
-        "generate", help="generate text (default: the embedded tiny model, no download)"))
+    from dsv4_jax import cli_chat, cli_generate
+    generate_parser = sub.add_parser(
+        "generate", help="generate text (default: the embedded tiny model, no download)")
+    cli_generate.add_arguments(generate_parser)
+    cli_chat.add_arguments(generate_parser)
     convert_parser = sub.add_parser(
         "convert", help="write an orbax checkpoint from an official HF directory")
     convert, convert_error = None, None
@@ -28,7 +30,7 @@ def main(argv=None) -> int:
             convert_error = e
     args = parser.parse_args(argv)
     if args.command == "generate":
-        return cli_generate.main(args)
+        return (cli_chat.main if cli_chat.wants_chat(args) else cli_generate.main)(args)
     if convert is None:
         print(f"error: the checkpoint converter is unavailable: {convert_error}", file=sys.stderr)
         return 2

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="print tokens as they come (several prompts: one line per prompt)")
     p.add_argument("--speculative", action="store_true", help="MTP speculative decoding")
     p.add_argument("--chat", action="store_true",
-                   help="wrap each prompt as a user message (DSV4 chat encoding)")
+                   help="each prompt is a user message (DSV4 chat encoding); prints each "
+                        "parsed assistant message as a JSON line (see cli_chat.py)")
     p.add_argument("--logprobs", action="store_true", help="print per-token log-probabilities")
     p.add_argument("--compilation-cache", metavar="DIR|off", default=None,
                    help="persistent compilation cache folder, or 'off' (default: "
@@ -111,10 +112,6 @@ def main(args) -> int:
         prompts = read_prompts(args)
         from dsv4_jax.compilation_cache import enable_compilation_cache
         enable_compilation_cache(args.compilation_cache)
-        inputs = prompts
-        if args.chat:          # the model reads the chat template; the user sees their text
-            from dsv4_jax.tokenizer import encode_chat
-            inputs = [encode_chat([{"role": "user", "content": p}]) for p in prompts]
         t0 = time.perf_counter()
         model, params, tokenizer = load_model(args.model)
         load_s = time.perf_counter() - t0
@@ -130,9 +127,9 @@ def main(args) -> int:
     try:
         if args.stream:
             stop = set(args.stop if args.stop is not None else (model.config.eos_token_id,))
-            return _run_stream(stream(model, params, inputs, args.max_new_tokens, sampler, **kw),
+            return _run_stream(stream(model, params, prompts, args.max_new_tokens, sampler, **kw),
                                prompts, stop, args.logprobs)
-        result = generate(model, params, inputs, args.max_new_tokens, sampler, **kw)
+        result = generate(model, params, prompts, args.max_new_tokens, sampler, **kw)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

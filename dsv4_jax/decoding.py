@@ -46,12 +46,16 @@ class GenerationResult:
 class StreamEvent:
     """One new token position: ``tokens[b]`` is row b's new token, -1 when row b has none
     here (it has finished, or -- speculative decoding -- its draft was rejected this step);
-    ``done[b]``: row b will yield no further token; ``text[b]``: its new printable text."""
+    ``done[b]``: row b will yield no further token; ``text[b]``: its new printable text.
+    In chat mode the last event also has each row's parsed ``messages`` (None where the
+    completion does not parse) and ``errors`` (why not; None where it parsed)."""
     step: int
     tokens: np.ndarray
     done: np.ndarray
     logprobs: np.ndarray | None = None
     text: list | None = None
+    messages: list | None = None
+    errors: list | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,8 @@ budget. ``stream`` yields tokens as they come from a Python loop over one jitted
 drive the same programs (decoding.py), donate the cache, bucket shapes (prompt length and
 budget) so new prompts of lengths in the same buckets reuse the compiled programs, and draw the
 same random numbers (``fold_in(key, step)``), so they produce the same tokens.
-``speculative=True`` uses the MTP block (see speculative.py).
+``speculative=True`` uses the MTP block (see speculative.py). ``chat=True`` takes
+conversations and returns parsed assistant messages (see chat_decoding.py).
 """
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ import jax.numpy as jnp
 
 from ._monitor import count_compilations
 from .cache import Cache
+from .chat_decoding import ChatResult, chat_batch
 from .compilation_cache import enable_compilation_cache
 from .decoding import (GenerationResult, Method, Programs, StreamEvent, build_programs, finish,
                        prepare_prompts, timed, token_logprob)
 from .sampling import Greedy, Sampler
 from .speculative import speculative_method
 
-__all__ = ["generate", "stream", "GenerationResult", "StreamEvent", "prepare_prompts"]
+__all__ = ["generate", "stream", "GenerationResult", "ChatResult", "StreamEvent",
+           "prepare_prompts"]
 
 
 def plain_method(model, sampler: Sampler) -> Method:
@@ -71,9 +74,21 @@ def _start(model, prompts, max_new_tokens, sampler, speculative, **kw):
     return programs, prep
 
 
+def _chat(model, prompts, tokenizer, stop_tokens, chat, tools, thinking, drop_thinking,
+          reasoning_effort):
+    """The ``ChatBatch`` of a chat call (``chat``, ``tools`` or ``thinking`` given), else None."""
+    if not (chat or tools is not None or thinking):
+        return None
+    return chat_batch(model, prompts, tokenizer, stop_tokens=stop_tokens, tools=tools,
+                      thinking=thinking, drop_thinking=drop_thinking,
+                      reasoning_effort=reasoning_effort)
+
+
 def generate(model, params, prompts, max_new_tokens: int, sampler: Sampler = Greedy(), *,
              tokenizer=None, stop_tokens=None, seed: int = 0, logprobs: bool = False,
-             max_len: int | None = None, speculative: bool = False) -> GenerationResult:
+             max_len: int | None = None, speculative: bool = False, chat: bool = False,
+             tools: list | None = None, thinking: bool = False, drop_thinking: bool = True,
+             reasoning_effort: str | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (strings or token-id lists).
 
     Rows stop at any of ``stop_tokens`` (default: the config's EOS) or at the budget. With a
@@ -81,7 +96,27 @@ def generate(model, params, prompts, max_new_tokens: int, sampler: Sampler = Gre
     ``speculative=True`` drafts with the MTP block and verifies two tokens per step; greedy
     output is then the same as without it. ``stats`` has timings and, for speculative
     decoding, the draft acceptance rate.
+
+    ``chat=True`` (or ``tools``, ``thinking``): ``prompts`` are conversations (a list of
+    message dicts, or a list of them) in the DSV4 chat format; ``tools`` (OpenAI function
+    schemas), ``thinking``, ``drop_thinking`` and ``reasoning_effort`` are ``encode_chat``'s.
+    Rows stop at end-of-sentence (``stop_tokens`` cannot be given) and the result, a
+    ``ChatResult``, also has each parsed assistant message (``messages``, None where the
+    completion does not parse) and why not (``errors``). ``tokenizer`` must then hold the
+    chat tokens (the official ``tokenizer.json``), or be None for the byte fallback.
     """
+    batch = _chat(model, prompts, tokenizer, stop_tokens, chat, tools, thinking, drop_thinking,
+                  reasoning_effort)
+    if batch is not None:
+        prompts, tokenizer, stop_tokens = batch.prompts, batch.tokenizer, batch.stop_tokens
+    result = _generate(model, params, prompts, max_new_tokens, sampler, tokenizer=tokenizer,
+                       stop_tokens=stop_tokens, seed=seed, logprobs=logprobs, max_len=max_len,
+                       speculative=speculative)
+    return result if batch is None else batch.finish(result)
+
+
+def _generate(model, params, prompts, max_new_tokens, sampler, *, tokenizer, stop_tokens, seed,
+              logprobs, max_len, speculative) -> GenerationResult:
     programs, prep = _start(model, prompts, max_new_tokens, sampler, speculative,
                             tokenizer=tokenizer, stop_tokens=stop_tokens, max_len=max_len)
     key = jax.random.key(seed)
@@ -107,14 +142,30 @@ def generate(model, params, prompts, max_new_tokens: int, sampler: Sampler = Gre
 
 def stream(model, params, prompts, max_new_tokens: int, sampler: Sampler = Greedy(), *,
            tokenizer=None, stop_tokens=None, seed: int = 0, logprobs: bool = False,
-           max_len: int | None = None, speculative: bool = False) -> Iterator[StreamEvent]:
+           max_len: int | None = None, speculative: bool = False, chat: bool = False,
+           tools: list | None = None, thinking: bool = False, drop_thinking: bool = True,
+           reasoning_effort: str | None = None) -> Iterator[StreamEvent]:
     """Like ``generate`` but yields a ``StreamEvent`` per new token position, for every row
     at once, as soon as the step that made it has run. With ``speculative=True`` a step
     yields one event per token it kept (the accepted draft and the token after it).
 
     Concatenating each row's tokens >= 0 gives ``generate``'s tokens (with its stop token);
     ``text`` pieces are decoded from the whole row so far, holding back an incomplete
-    UTF-8 sequence until it completes."""
+    UTF-8 sequence until it completes. In chat mode (see ``generate``) the last event also
+    carries the parsed ``messages`` and ``errors``; bad conversations raise at the call,
+    before any generation."""
+    batch = _chat(model, prompts, tokenizer, stop_tokens, chat, tools, thinking, drop_thinking,
+                  reasoning_effort)
+    if batch is not None:
+        prompts, tokenizer, stop_tokens = batch.prompts, batch.tokenizer, batch.stop_tokens
+    events = _stream(model, params, prompts, max_new_tokens, sampler, tokenizer=tokenizer,
+                     stop_tokens=stop_tokens, seed=seed, logprobs=logprobs, max_len=max_len,
+                     speculative=speculative)
+    return events if batch is None else batch.stream(events)
+
+
+def _stream(model, params, prompts, max_new_tokens, sampler, *, tokenizer, stop_tokens, seed,
+            logprobs, max_len, speculative) -> Iterator[StreamEvent]:
     programs, prep = _start(model, prompts, max_new_tokens, sampler, speculative,
                             tokenizer=tokenizer, stop_tokens=stop_tokens, max_len=max_len)
     key = jax.random.key(seed)

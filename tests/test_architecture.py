@@ -26,9 +26,9 @@ LAYERS = (
     ("checkpoints", ("dsv4_jax.checkpoints", "dsv4_jax.checkpoints.")),
     ("generation", ("dsv4_jax._monitor", "dsv4_jax.compilation_cache", "dsv4_jax.sampling",
                     "dsv4_jax.chat", "dsv4_jax.tokenizer", "dsv4_jax.decoding",
-                    "dsv4_jax.generation", "dsv4_jax.speculative", "dsv4_jax.introspect")),
+                    "dsv4_jax.chat_decoding", "dsv4_jax.generation", "dsv4_jax.speculative", "dsv4_jax.introspect")),
     ("public API", ("dsv4_jax",)),
-    ("CLI", ("dsv4_jax.cli_generate", "dsv4_jax.__main__")),
+    ("CLI", ("dsv4_jax.cli_generate", "dsv4_jax.cli_chat", "dsv4_jax.__main__")),
 )
 
 # Function-local imports of package modules that are there on purpose: the kernel path
@@ -46,7 +46,10 @@ LAZY_BY_DESIGN = {
     ("dsv4_jax.cli_generate", "dsv4_jax.generation"),
     ("dsv4_jax.cli_generate", "dsv4_jax.compilation_cache"),
     ("dsv4_jax.cli_generate", "dsv4_jax._monitor"),
+    ("dsv4_jax.cli_chat", "dsv4_jax.generation"),
+    ("dsv4_jax.cli_chat", "dsv4_jax.compilation_cache"),
     ("dsv4_jax.__main__", "dsv4_jax.cli_generate"),
+    ("dsv4_jax.__main__", "dsv4_jax.cli_chat"),
     ("dsv4_jax.__main__", "dsv4_jax.checkpoints.convert"),
 }
 # Function-local imports waiting to move to the module top. Delete entries as they go; none

@@ -1,5 +1,5 @@
 """The command line as a new user meets it: --help without JAX, the persistent compilation
-cache, arguments checked before the model loads, --chat, streaming several rows, logprobs
+cache, arguments checked before the model loads, --chat (JSON messages), streaming several rows, logprobs
 and speculative decoding while streaming, escaped terminal output."""
 import io
 import os
@@ -95,22 +95,35 @@ def test_prompts_file_problems_name_the_file(no_model_load, capsys, tmp_path):
     assert capsys.readouterr().err == f"error: --prompts-file {missing!r}: no such file\n"
 
 
-def test_chat_shows_the_users_text_not_the_template(capsys, monkeypatch):
-    """The model gets the chat template; the output line shows what the user typed."""
+def test_chat_prints_the_parsed_message_as_json(capsys, monkeypatch):
+    """--chat runs the model on the chat template and prints what parses of each reply as a
+    JSON line (here, random weights: a reply cut by the budget, reported on stderr instead)."""
+    import json
     from dsv4_jax import generation
-    from dsv4_jax.tokenizer import encode_chat
-    real_generate, seen = generation.generate, []
+    from dsv4_jax.chat import encode_chat, parse_completion
+    real_generate, seen = generation._generate, []
 
     def recording_generate(model, params, prompts, *args, **kw):
-        seen.extend(prompts)
-        return real_generate(model, params, prompts, *args, **kw)
+        seen.append(real_generate(model, params, prompts, *args, **kw))
+        seen.append(prompts)
+        return seen[0]
 
-    monkeypatch.setattr(generation, "generate", recording_generate)
-    assert main(["generate", "--prompt", "Hi there", "--chat", "--max-new-tokens", "2"]) == 0
-    assert seen == [encode_chat([{"role": "user", "content": "Hi there"}])]
-    out = capsys.readouterr().out
-    assert out.startswith("[0] 'Hi there' -> ")
-    assert "User" not in out and "<｜" not in out
+    monkeypatch.setattr(generation, "_generate", recording_generate)
+    status = main(["generate", "--prompt", "Hi there", "--chat", "--max-new-tokens", "2"])
+    result, prompts = seen
+    assert prompts == [encode_chat([{"role": "user", "content": "Hi there"}])]
+    captured = capsys.readouterr()
+    text = result.text[0]
+    try:
+        want = parse_completion(text + ("<｜end▁of▁sentence｜>"
+                                        if result.finish_reasons[0] == "stop" else ""))
+    except ValueError as e:
+        want = None
+        assert status == 1 and captured.out == ""
+        assert "error: conversation 0: " in captured.err and str(e) in captured.err
+        assert f"raw completion: {text!r}" in captured.err
+    if want is not None:
+        assert status == 0 and [json.loads(line) for line in captured.out.splitlines()] == [want]
 
 
 def event(step, tokens, text, done=None, logprobs=None):
