@@ -45,6 +45,15 @@ def _has_cuda() -> bool:
 HAS_GPU = _has_cuda()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one process per core, at most two (the CPU suite is compile-bound and the
+    session fixtures are built once per process); one process when the GPU tests run, since
+    they share the one device."""
+    if HAS_GPU or "gpu" in (config.getoption("markexpr", "") or ""):
+        return 0
+    return max(1, min(2, os.cpu_count() or 1))
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return
