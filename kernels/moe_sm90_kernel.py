@@ -44,11 +44,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
-from cutlass._mlir.dialects import llvm, nvvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from .sm90_primitives import cp_async_arrive
 from .moe_sm90 import (BF16_2POW120, BLOCK_K, BLOCK_M, DECODE_CONFIG,  # noqa: F401
                                FP4_BF16_HI, FP4_BF16_LO, PREFILL_CONFIG, ROW_BYTES,
                                MoeGemmSm90Config, choose_config, num_tile_slots)
@@ -57,13 +58,6 @@ NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
 REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
 LOG2_E = 1.4426950408889634
-
-
-@dsl_user_op
-def cp_async_arrive(mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """``cp.async.mbarrier.arrive``: the barrier phase also waits for this thread's copies."""
-    nvvm.cp_async_mbarrier_arrive(mbar_ptr.to_llvm_ptr(loc=loc, ip=ip), noinc=False,
-                                  loc=loc, ip=ip)
 
 
 def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=None):

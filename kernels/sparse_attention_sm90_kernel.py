@@ -51,11 +51,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
+from .sm90_primitives import cp_async_arrive
 from .sparse_attention_sm90_combine import SplitCombine
 from .sparse_attention_sm90 import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
                                     SparseAttentionSm90Config)
@@ -73,15 +72,6 @@ FULL_BARRIER = 6                # split QK^T: both partial score blocks are in s
 EMPTY_BARRIER = 7               # 7 and 8: warpgroup w's exchange buffer was read
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
-
-
-@dsl_user_op
-def cp_async_arrive(mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
-    """``cp.async.mbarrier.arrive``: +1 pending on the barrier now, -1 once this thread's
-    earlier cp.async copies have landed. Paired with an ordinary (release) arrive, the
-    barrier phase then covers the copies and this thread's ordinary smem stores."""
-    nvvm.cp_async_mbarrier_arrive(mbar_ptr.to_llvm_ptr(loc=loc, ip=ip), noinc=False,
-                                  loc=loc, ip=ip)
 
 
 class SparseAttentionSm90(SplitCombine):
