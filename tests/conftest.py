@@ -54,25 +54,7 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(2, os.cpu_count() or 1))
 
 
-# Test files that reuse each other's compiled programs (same tiny models and shapes) run in
-# one worker process, so the programs compile once; every other file is its own group.
-_SHARED_PROGRAMS = ({"test_model.py", "test_numerics.py"},
-                    {"test_generate.py", "test_chat_generate.py"},
-                    {"test_cli.py", "test_notebook.py"},
-                    {"test_config.py", "test_checkpoints.py", "test_pro_plan.py"})
-
-
-def _worker_group(path) -> str:
-    for files in _SHARED_PROGRAMS:
-        if path.name in files:
-            return "+".join(sorted(files))
-    return path.name
-
-
-@pytest.hookimpl(tryfirst=True)   # before xdist's hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    for item in items:   # --dist loadgroup (pyproject.toml): one group per worker at a time
-        item.add_marker(pytest.mark.xdist_group(_worker_group(item.path)))
     if HAS_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
