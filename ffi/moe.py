@@ -44,20 +44,26 @@ token (expert parallelism relies on this for its empty slots, id -1).
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.kernels.moe_sm90 import MoeGemmSm90Config, choose_config, num_tile_slots
+from dsv4_jax.kernels.moe_sm90 import (ALGORITHMS, MoeGemmSm90Config, choose_config,
+                                       num_tile_slots)
 from .dispatch import cute_or_reference, select_implementation
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
            "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
+           "decode_algorithm",
            "weight_format", "moe_expert_rows_cute", "moe_schedule", "grouped_gemm_sm90"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# Kernel for decode-size inputs: "wgmma" (default, measured) or "mma_sync" (warp-level MMAs
+# on weights dequantised in registers; not yet measured on a GPU). Read at trace time.
+ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
 _ACT_DTYPES = (jnp.bfloat16, jnp.float32)
 _PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _SCALE_DTYPES = (quant.E8M0_DTYPE, jnp.uint8, jnp.float32)
@@ -299,6 +305,14 @@ def _kernel_weight_format(weight, scale) -> str | None:
     return None
 
 
+def decode_algorithm() -> str:
+    """The kernel algorithm for decode-size inputs, from ``DSV4_MOE_ALGORITHM``."""
+    value = os.environ.get(ALGORITHM_ENV_VAR, "").strip() or "wgmma"
+    if value not in ALGORITHMS:
+        raise ValueError(f"{ALGORITHM_ENV_VAR}={value!r}: must be one of {ALGORITHMS}")
+    return value
+
+
 def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:
     """Whether the Hopper kernel handles these arguments: ``(ok, reason)``; imports no cutlass."""
     fmts = {_kernel_weight_format(*w) for w in (w1, w3, w2)}
@@ -309,7 +323,7 @@ def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:
     num_experts, inter = w1[0].shape[0], w1[0].shape[1]
     if rows == 0:
         return False, "no rows"
-    config = choose_config(rows, num_experts, fmt)
+    config = choose_config(rows, num_experts, fmt, decode_algorithm())
     slots = num_tile_slots(rows, num_experts, config.block_n)
     for gated, n_out, k_in in ((True, inter, d), (False, d, inter)):
         ok, why = config.is_supported(weight_format=fmt, gated=gated, n_out=n_out, k_in=k_in,
@@ -380,7 +394,7 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
                      block_n=config.block_n, num_stages=config.num_stages,
-                     ablation=config.ablation)
+                     ablation=config.ablation, algorithm=config.algorithm)
     return y
 
 
@@ -389,10 +403,11 @@ def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulat
     """``moe_expert_rows`` on the Hopper kernel (two launches, see the section comment);
     rows whose expert id is outside [0, E) give zeros. ``simulate``: FP8 activation
     quantisation (quantised weights with the simulation on). ``config``: the kernel
-    variant, else ``choose_config``'s."""
+    variant, else ``choose_config``'s (decode tiles: ``DSV4_MOE_ALGORITHM``)."""
     rows = xa.shape[0]
     num_experts = w1[0].shape[0]
-    config = config or choose_config(rows, num_experts, _kernel_weight_format(*w1))
+    config = config or choose_config(rows, num_experts, _kernel_weight_format(*w1),
+                                     decode_algorithm())
     order, valid_sorted, *tiles = moe_schedule(ea, num_experts, config.block_n)
     schedule = (order, *tiles)
     x = quant.act_quant_dequant(xa).astype(jnp.bfloat16) if simulate else xa

@@ -1,4 +1,9 @@
-"""Limits, configurations and launch sizes of the MoE kernel (``moe_sm90_kernel``); no cutlass.
+"""Limits, configurations and launch sizes of the MoE kernels; no cutlass.
+
+Two algorithms compute the same grouped expert GEMM (same launcher, same outputs):
+``"wgmma"`` (``moe_sm90_kernel``: a cp.async producer warpgroup, weights dequantised into
+shared memory, WGMMA) and ``"mma_sync"`` (``moe_sm90_warp``: every warp streams its own 16
+weight rows, dequantises them in registers and runs warp-level MMAs -- for decode tiles).
 
 The JAX side consults ``MoeGemmSm90Config.is_supported`` before it imports CuTe DSL at all.
 """
@@ -13,6 +18,13 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
+ALGORITHMS = ("wgmma", "mma_sync")
+# "mma_sync": 4 warps per CTA, 16 weight rows each (the MMA's M); lane 4g + t holds rows g
+# and g + 8 and, of every K block of 128, the 32 columns [32t, 32t + 32) (one FP4 scale
+# block), 8 per MMA step i: columns 32t + 8i .. 32t + 8i + 7 (``warp_lane_columns``).
+WARP_ROWS = 16
+WARP_COUNT = BLOCK_M // WARP_ROWS
+WARP_TOKENS = 8           # token rows per tile (the MMA's N)
 # FP4 -> bf16 byte lookup tables for ``prmt`` (bytes 0-3 in the first word, 4-7 in the
 # second): high and low bytes of the bf16 values of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3,
 # 4, 6 (e.g. 1.5 = 0x3FC0). tests/test_kernels_moe_sm90.py replays the permutes on all codes.
@@ -31,12 +43,14 @@ class MoeGemmSm90Config:
     """
     block_n: int = 8
     num_stages: int = 8
+    algorithm: str = "wgmma"
     # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
     # weight bytes fetched only for the first stages, "no_dequant", "no_mma"); their
     # outputs are wrong by design.
     ablation: str = ""
 
     ABLATIONS = ("", "no_load", "no_dequant", "no_mma")
+    WARP_ABLATIONS = ("", "no_load", "no_dequant")
 
     def __post_init__(self):
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -47,9 +61,20 @@ class MoeGemmSm90Config:
         if self.ablation not in self.ABLATIONS:
             raise ValueError(f"MoeGemmSm90Config: ablation must be one of {self.ABLATIONS}, "
                              f"got {self.ablation!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"MoeGemmSm90Config: algorithm must be one of {ALGORITHMS}, "
+                             f"got {self.algorithm!r}")
+        if self.algorithm == "mma_sync" and self.block_n != WARP_TOKENS:
+            raise ValueError(f"MoeGemmSm90Config: algorithm 'mma_sync' takes block_n "
+                             f"{WARP_TOKENS}, got {self.block_n}")
+        if self.algorithm == "mma_sync" and self.ablation not in self.WARP_ABLATIONS:
+            raise ValueError(f"MoeGemmSm90Config: algorithm 'mma_sync' takes ablation in "
+                             f"{self.WARP_ABLATIONS}, got {self.ablation!r}")
 
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
         mats = 2 if gated else 1
+        if self.algorithm == "mma_sync":
+            return WARP_COUNT * self.num_stages * warp_stage_bytes(weight_format, gated)
         raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4
         x_tile = self.block_n * BLOCK_K * 2
         dequant = 2 * mats * BLOCK_M * BLOCK_K * 2        # double-buffered bf16 A tiles
@@ -80,14 +105,62 @@ class MoeGemmSm90Config:
 
 
 DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
+# Not yet measured on a GPU (docs/performance.md): opt in through ``config=``.
+DECODE_MMA_SYNC_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
+
+
+def warp_slots(weight_format: str, gated: bool) -> tuple[int, int, int]:
+    """"mma_sync" staging per lane and stage: (16 B weight slots, 16 B token slots, 4 B
+    scale slots). Weights: ``ROW_BYTES / 4`` bytes of each of the lane's two rows per matrix;
+    tokens: 4 x 8 bf16 of token g; scales: one word per row (FP4) or per matrix (FP8)."""
+    mats = 2 if gated else 1
+    chunks = ROW_BYTES[weight_format] // 4 // 16
+    scales = {"fp4": 2 * mats, "fp8": mats, "bf16": 0}[weight_format]
+    return 2 * mats * chunks, 4, scales
+
+
+def warp_stage_bytes(weight_format: str, gated: bool) -> int:
+    """Shared memory of one warp's pipeline stage ("mma_sync"): every lane its own slots."""
+    w, x, s = warp_slots(weight_format, gated)
+    return 32 * (16 * (w + x) + 4 * s)
+
+
+def warp_lane_columns(t, kb, step):
+    """"mma_sync": first of the 8 K columns lane ``4g + t`` multiplies in MMA step ``step``
+    (0-3) of K block ``kb``; works on ints and on kernel integers alike.
+
+    Those 8 columns are codes c0..c7 of the lane's weight rows and token row g; the MMA
+    pair ``h`` takes ``a = ((c[4h], c[4h+1]) of rows g, g+8, (c[4h+2], c[4h+3]) of rows
+    g, g+8)`` and ``b = ((x[4h], x[4h+1]), (x[4h+2], x[4h+3]))``: every logical K index of
+    the MMA maps to one column, so the K permutation cancels in the product."""
+    return kb * BLOCK_K + 32 * t + 8 * step
+
+
+def warp_lane_weight_byte(t, kb, weight_format: str):
+    """"mma_sync": offset in a weight row of the ``ROW_BYTES / 4`` bytes lane ``4g + t``
+    stages for K block ``kb``: the codes of ``warp_lane_columns(t, kb, 0..3)``, in order."""
+    return kb * ROW_BYTES[weight_format] + t * (ROW_BYTES[weight_format] // 4)
 PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
 
 
-def choose_config(num_rows: int, num_experts: int, weight_format: str) -> MoeGemmSm90Config:
-    """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles;
-    BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles. Then as many pipeline
-    stages as fit in shared memory for the gated launch (the larger of the two)."""
-    config = DECODE_CONFIG if num_rows <= 4 * num_experts else PREFILL_CONFIG
+def choose_config(num_rows: int, num_experts: int, weight_format: str,
+                  decode_algorithm: str = "wgmma") -> MoeGemmSm90Config:
+    """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
+    Decode tiles run ``decode_algorithm``; prefill tiles always WGMMA.
+    WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
+    pipeline stages as fit in shared memory for the gated launch (the larger of the two).
+    "mma_sync": as many stages, up to 4, as leave two CTAs per SM."""
+    if decode_algorithm not in ALGORITHMS:
+        raise ValueError(f"choose_config: decode_algorithm must be one of {ALGORITHMS}, "
+                         f"got {decode_algorithm!r}")
+    decode = num_rows <= 4 * num_experts
+    if decode and decode_algorithm == "mma_sync":
+        config = DECODE_MMA_SYNC_CONFIG
+        while (config.num_stages > 2
+               and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        return config
+    config = DECODE_CONFIG if decode else PREFILL_CONFIG
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:

@@ -44,96 +44,19 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import cp_async_arrive
-from .moe_sm90 import (BF16_2POW120, BLOCK_K, BLOCK_M, DECODE_CONFIG,  # noqa: F401
-                               FP4_BF16_HI, FP4_BF16_LO, PREFILL_CONFIG, ROW_BYTES,
-                               MoeGemmSm90Config, choose_config, num_tile_slots)
+from .moe_sm90 import (BLOCK_K, BLOCK_M, DECODE_CONFIG, PREFILL_CONFIG,  # noqa: F401
+                       ROW_BYTES, MoeGemmSm90Config, choose_config, num_tile_slots)
+from .moe_sm90_convert import fp4x8_to_bf16x8, fp8x4_to_bf16x4
+from .moe_sm90_warp import MoeGemmWarpSm90
 
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
 REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
 LOG2_E = 1.4426950408889634
-
-
-def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=None):
-    return llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * out_count) if out_count > 1 else T.i32(),
-        [Int32(a).ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
-    """Eight packed e2m1 codes (low nibble first) -> four bf16x2 words, times ``multiplier``.
-
-    Byte permutes as 8-entry lookup tables: with the magnitude bits of four codes as the
-    selector, one ``prmt`` gives the four high bytes and one the four low bytes of the bf16
-    magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6); a third ``prmt`` in sign-replicate mode over
-    0x80 bytes marks the negative codes (0xFF, else 0x80: bit 6 is the sign), which one
-    ``lop3`` moves to bit 7 of the high bytes. Two permutes interleave low and high bytes
-    into bf16x2 words and one bf16x2 multiply applies the power-of-two block scale (exact).
-    """
-    text = (
-        "{\n"
-        ".reg .b32 m, w, ha, hb, la, lb, c8, h, l, p;\n"
-        f"mov.b32 ha, {FP4_BF16_HI[0]:#010x};\n"
-        f"mov.b32 hb, {FP4_BF16_HI[1]:#010x};\n"
-        f"mov.b32 la, {FP4_BF16_LO[0]:#010x};\n"
-        f"mov.b32 lb, {FP4_BF16_LO[1]:#010x};\n"
-        "mov.b32 c8, 0x80808080;\n"
-        "and.b32 m, $4, 0x77777777;\n"
-        "mov.b32 w, $4;\n"
-        + "".join(
-            ("" if i == 0 else "shr.u32 m, m, 16;\nshr.u32 w, w, 16;\n")
-            + "prmt.b32 h, ha, hb, m;\n"
-            "prmt.b32 l, la, lb, m;\n"
-            "prmt.b32 p, c8, c8, w;\n"
-            "shl.b32 p, p, 1;\n"
-            "lop3.b32 h, h, p, c8, 0xF8;\n"              # h | (p & c8)
-            f"prmt.b32 ${2 * i}, l, h, 0x5140;\n"
-            f"prmt.b32 ${2 * i + 1}, l, h, 0x7362;\n"
-            f"mul.rn.bf16x2 ${2 * i}, ${2 * i}, $5;\n"
-            f"mul.rn.bf16x2 ${2 * i + 1}, ${2 * i + 1}, $5;\n"
-            for i in range(2))
-        + "}")
-    res = _asm(4, [word, multiplier], text, "=r,=r,=r,=r,r,r", loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
-
-
-@dsl_user_op
-def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
-    """Four e4m3 codes -> two bf16x2 words, times ``multiplier``.
-
-    Each byte moves to the low byte of a bf16 half; the bf16 bits ``sign << 15 | (code &
-    0x7F) << 4`` put the 4-bit exponent in the lowest bf16 exponent bits and the 3-bit
-    mantissa on top of the bf16 mantissa: the code's value times 2^-120 (e4m3 subnormals
-    become bf16 subnormals). Multiplying by 2^120 and by ``multiplier`` is exact.
-    """
-    text = (
-        "{\n"
-        ".reg .b32 p, s, m, k, z;\n"
-        f"mov.b32 k, {BF16_2POW120 * 0x10001:#010x};\n"
-        "mov.b32 z, 0;\n"
-        + "".join(
-            f"prmt.b32 p, $2, z, {0x4140 + 0x0202 * i:#06x};\n"
-            "shl.b32 s, p, 8;\n"
-            "shl.b32 m, p, 4;\n"
-            "and.b32 s, s, 0x80008000;\n"
-            "and.b32 m, m, 0x07F007F0;\n"
-            f"or.b32 ${i}, s, m;\n"
-            f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
-            f"mul.rn.bf16x2 ${i}, ${i}, $3;\n"
-            for i in range(2))
-        + "}")
-    res = _asm(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
-                 for i in range(2))
 
 
 class MoeGemmSm90:
@@ -456,12 +379,16 @@ def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.T
                       route_w: cute.Tensor, out: cute.Tensor, *,
                       weight_format: cutlass.Constexpr, gated: cutlass.Constexpr,
                       swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
-                      num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = ""):
-    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
-    MoeGemmSm90(weight_format, gated, swiglu_limit,
-                MoeGemmSm90Config(block_n, num_stages, ablation))(
+                      num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = "",
+                      algorithm: cutlass.Constexpr = "wgmma"):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config); the
+    config's ``algorithm`` picks this module's WGMMA kernel or ``moe_sm90_warp``'s."""
+    config = MoeGemmSm90Config(block_n=block_n, num_stages=num_stages, ablation=ablation,
+                               algorithm=algorithm)
+    kernel_class = MoeGemmWarpSm90 if const_expr(algorithm == "mma_sync") else MoeGemmSm90
+    kernel_class(weight_format, gated, swiglu_limit, config)(
         x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
 
 
-__all__ = ["MoeGemmSm90", "MoeGemmSm90Config", "moe_gemm_launcher", "choose_config",
-           "num_tile_slots", "DECODE_CONFIG", "PREFILL_CONFIG"]
+__all__ = ["MoeGemmSm90", "MoeGemmWarpSm90", "MoeGemmSm90Config", "moe_gemm_launcher",
+           "choose_config", "num_tile_slots", "DECODE_CONFIG", "PREFILL_CONFIG"]

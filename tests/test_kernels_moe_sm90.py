@@ -1,5 +1,6 @@
-"""The Hopper MoE kernel on CPU: the FP4/FP8 -> bf16 bit tricks replayed on every code, the
-on-device expert schedule, shape support, and compilation for sm_90a (WGMMA in the PTX)."""
+"""The Hopper MoE kernels on CPU: the FP4/FP8 -> bf16 bit tricks replayed on every code, the
+on-device expert schedule, shape support, the "mma_sync" kernel's lane/fragment mapping
+replayed in numpy, and compilation for sm_90a (WGMMA / mma.sync in the PTX)."""
 import re
 
 import numpy as np
@@ -114,13 +115,110 @@ def test_support_rejects_what_the_kernel_cannot_take():
                           ({"num_tiles": 70000}, "grid")]:
         supported, why = cfg.is_supported(**{**ok, **change})
         assert not supported and words in why, (change, why)
-    for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x")):
+    for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x"),
+                dict(algorithm="simt"), dict(algorithm="mma_sync", block_n=16),
+                dict(algorithm="mma_sync", ablation="no_mma")):
         with pytest.raises(ValueError, match="MoeGemmSm90Config"):
             support.MoeGemmSm90Config(**bad)
     for fmt in support.WEIGHT_FORMATS:
         for rows in (6, 48, 384, 24576):
             config = support.choose_config(rows, 256, fmt)
             assert config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, rows, config)
+        config = support.choose_config(8, 256, fmt, decode_algorithm="mma_sync")
+        assert config.algorithm == "mma_sync" and config.block_n == 8
+        assert 2 * config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, config)
+        assert support.choose_config(4096, 256, fmt, "mma_sync").algorithm == "wgmma"
+    with pytest.raises(ValueError, match="decode_algorithm"):
+        support.choose_config(8, 256, "fp4", "simt")
+
+
+# ----------------------------------------------------------- "mma_sync": the lane mapping
+def _mma_m16n8k16(a, b, c):
+    """PTX ``mma.m16n8k16`` (f32 += bf16 x bf16) on per-lane fragments, written from the
+    ISA's fragment tables: a[lane] 8 values, b[lane] 4, c[lane] 4."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for i in range(8):
+            A[g + 8 * ((i // 2) % 2), 2 * t + i % 2 + 8 * (i // 4)] = a[lane][i]
+        for i in range(4):
+            B[2 * t + i % 2 + 8 * (i // 2), g] = b[lane][i]
+    D = A @ B
+    return [[c[lane][i] + D[lane // 4 + 8 * (i // 2), 2 * (lane % 4) + i % 2]
+             for i in range(4)] for lane in range(32)]
+
+
+def _staged_values(fmt, row_bytes_fn, scale_fn, lane, kb):
+    """The 4 x 8 weight values one lane converts for K block ``kb`` of one row, in the
+    converters' output order (c0..c7 per step), from the bytes it stages."""
+    t = lane % 4
+    start = support.warp_lane_weight_byte(t, kb, fmt)
+    raw = row_bytes_fn()[start:start + support.ROW_BYTES[fmt] // 4]
+    if fmt == "fp4":
+        codes = np.stack([raw & 0xF, raw >> 4], axis=1).reshape(-1)     # low nibble first
+        values = quant.FP4_CODE_VALUES[codes] * scale_fn(kb * 4 + t)    # the byte it reads
+    elif fmt == "fp8":
+        values = (np.asarray(jnp.asarray(raw).view(jnp.float8_e4m3fn).astype(jnp.float32))
+                  * scale_fn(kb // 4 * 4 + kb % 4))
+    else:
+        values = raw.view(np.uint16).astype(np.uint32) << 16
+        values = values.view(np.float32)
+    return values.reshape(4, 8)
+
+
+@pytest.mark.parametrize("fmt", support.WEIGHT_FORMATS)
+def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
+    """Replays one warp of ``moe_sm90_warp`` in numpy over 3 K blocks: the bytes each lane
+    stages (``warp_lane_weight_byte``), the token columns it stages
+    (``warp_lane_columns``), the converters' code order, the kernel's MMA operand
+    assembly and the PTX fragment semantics. Their product must be W x^T."""
+    rng = np.random.default_rng(7)
+    k = 3 * support.BLOCK_K
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    if fmt == "fp4":
+        codes = rng.integers(0, 16, (16, k))
+        packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+        scales = 2.0 ** rng.integers(-3, 3, (16, k // 32))
+        w = quant.FP4_CODE_VALUES[codes] * np.repeat(scales, 32, axis=1)
+        row_bytes = lambda r: packed[r]                                   # noqa: E731
+        scale_of = lambda r: (lambda j: scales[r, j])                     # noqa: E731
+    elif fmt == "fp8":
+        w8 = jnp.asarray(rng.standard_normal((16, k)), jnp.float8_e4m3fn)
+        raw = np.asarray(jax.lax.bitcast_convert_type(w8, jnp.uint8))
+        block_scales = 2.0 ** rng.integers(-3, 3, (k // 128,))            # one row block
+        w = np.asarray(w8.astype(jnp.float32)) * np.repeat(block_scales, 128)
+        row_bytes = lambda r: raw[r]                                      # noqa: E731
+        scale_of = lambda r: (lambda j: block_scales[j])                  # noqa: E731
+    else:
+        wb = jnp.asarray(rng.standard_normal((16, k)), jnp.bfloat16)
+        raw = np.asarray(jax.lax.bitcast_convert_type(wb, jnp.uint8)).reshape(16, -1)
+        w = np.asarray(wb.astype(jnp.float32))
+        row_bytes = lambda r: raw[r]                                      # noqa: E731
+        scale_of = lambda r: (lambda j: 1.0)                              # noqa: E731
+    acc = [[0.0] * 4 for _ in range(32)]
+    for kb in range(k // support.BLOCK_K):
+        rows = {lane: [_staged_values(fmt, lambda r=lane // 4 + 8 * half: row_bytes(r),
+                                      scale_of(lane // 4 + 8 * half), lane, kb)
+                       for half in range(2)] for lane in range(32)}
+        for step in range(4):
+            cols = {lane: support.warp_lane_columns(lane % 4, kb, step) for lane in range(32)}
+            for h in range(2):
+                a, b = [], []
+                for lane in range(32):
+                    g_row, g8_row = rows[lane][0][step], rows[lane][1][step]
+                    # kernel: a = (pairs_g[2h], pairs_g8[2h], pairs_g[2h+1], pairs_g8[2h+1])
+                    a.append([*g_row[4 * h:4 * h + 2], *g8_row[4 * h:4 * h + 2],
+                              *g_row[4 * h + 2:4 * h + 4], *g8_row[4 * h + 2:4 * h + 4]])
+                    # kernel: b = (x[2h], x[2h+1]) of the 4 words (8 bf16) staged for step
+                    xs = x[lane // 4, cols[lane]:cols[lane] + 8]
+                    b.append(list(xs[4 * h:4 * h + 4]))
+                acc = _mma_m16n8k16(a, b, acc)
+    got = np.zeros((16, 8))
+    for lane in range(32):                  # the epilogue's accumulator -> (row, token)
+        g, t = divmod(lane, 4)
+        for j in range(4):
+            got[g + 8 * (j // 2), 2 * t + j % 2] = acc[lane][j]
+    np.testing.assert_allclose(got, w @ x.T.astype(np.float64), rtol=1e-9, atol=1e-9)
 
 
 def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
@@ -135,12 +233,18 @@ def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
                         fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
                         *weights, *weights, fake(cutlass.Float32, (a,)), fake(bf16, (a, n)),
                         weight_format=fmt, gated=gated, swiglu_limit=10.0,
-                        block_n=config.block_n, num_stages=config.num_stages)
+                        block_n=config.block_n, num_stages=config.num_stages,
+                        algorithm=config.algorithm)
 
 
+MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync")
+            for fmt in support.WEIGHT_FORMATS}
 VARIANTS = {"fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG),
             "fp8-down-prefill": ("fp8", False, support.PREFILL_CONFIG),
-            "bf16-gated-decode": ("bf16", True, support.choose_config(8, 4, "bf16"))}
+            "bf16-gated-decode": ("bf16", True, support.choose_config(8, 4, "bf16")),
+            "fp4-gated-mma-sync": ("fp4", True, MMA_SYNC["fp4"]),
+            "fp8-down-mma-sync": ("fp8", False, MMA_SYNC["fp8"]),
+            "bf16-gated-mma-sync": ("bf16", True, MMA_SYNC["bf16"])}
 
 
 @pytest.fixture(scope="module")
@@ -149,14 +253,20 @@ def compiled():
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_compiles_for_sm90a_with_wgmma(compiled, variant):
+def test_compiles_for_sm90a(compiled, variant):
     fmt, gated, config = VARIANTS[variant]
     ptx = compiled[variant].artifacts.PTX
     assert ".target sm_90a" in ptx
     # Per stage of K = 128: 8 k-steps of 16 per matrix.
-    wgmma = re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16\S*bf16", ptx)
-    assert len(wgmma) == 8 * (2 if gated else 1)
-    assert "cp.async" in ptx and "mbarrier" in ptx
+    if config.algorithm == "wgmma":
+        mma = re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16\S*bf16", ptx)
+        assert "cp.async" in ptx and "mbarrier" in ptx
+    else:
+        mma = re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16", ptx)
+        # A lane-private ring: cp.async groups, no barriers, no WGMMA.
+        assert "cp.async.wait_group" in ptx and "cp.async.commit_group" in ptx
+        assert "wgmma" not in ptx and "bar.sync" not in ptx and "mbarrier" not in ptx
+    assert len(mma) == 8 * (2 if gated else 1)
     conversions = {"fp4": "prmt.b32", "fp8": "mul.rn.bf16x2", "bf16": None}[fmt]
     if conversions:
         assert conversions in ptx

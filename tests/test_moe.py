@@ -367,3 +367,33 @@ def test_cute_matches_the_reference(dims, fmt, t, routing):
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_cute_matches_the_reference_without_simulation(fmt):
     check_implementation("cute", "flash", fmt, 64, "random", simulate=False)
+
+
+def test_decode_algorithm_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(op.ALGORITHM_ENV_VAR, raising=False)
+    assert op.decode_algorithm() == "wgmma"
+    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "mma_sync")
+    assert op.decode_algorithm() == "mma_sync"
+    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "simt")
+    with pytest.raises(ValueError, match="DSV4_MOE_ALGORITHM='simt'"):
+        op.decode_algorithm()
+
+
+# Decode-size inputs only (rows <= 4 E): where "mma_sync" replaces the WGMMA kernel.
+MMA_SYNC_CASES = ([("small", f, t, r) for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
+                   for r in ("random", "dropped", "few_experts")]
+                  + [("small", f, 64, "one_expert") for f in ("fp4", "fp8", "bf16")]
+                  + [("flash", f, t, r) for f in ("fp4", "fp8") for t in (1, 8, 64, 170)
+                     for r in ("random", "one_expert")]
+                  + [("pro", f, t, "random") for f in ("fp4", "fp8") for t in (1, 8, 64)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, fmt, t, routing", MMA_SYNC_CASES)
+def test_mma_sync_decode_kernel_matches_the_reference(monkeypatch, dims, fmt, t, routing):
+    e, _, _, k = DIMS[dims]
+    rows = t * (1 if routing == "one_expert" else k)
+    assert rows <= 4 * e, "not a decode-size case: the WGMMA kernel would run"
+    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "mma_sync")
+    check_implementation("cute", dims, fmt, t, routing)
+    check_implementation("cute", dims, fmt, t, routing, simulate=False)

@@ -11,7 +11,8 @@ from dsv4_jax.ffi import dispatch, moe as moe_op
 from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
-MOE_KERNEL = "MoeGemmSm90"      # the kernel class of kernels/moe_sm90_kernel.py, named in its ELF
+# The kernel classes, named in their ELF: kernels/moe_sm90_kernel.py, kernels/moe_sm90_warp.py.
+MOE_KERNEL = {"wgmma": "MoeGemmSm90", "mma_sync": "MoeGemmWarpSm90"}
 BATCH = 2
 
 
@@ -42,16 +43,20 @@ def _kernel_supports(cfg, tokens):
     return moe_op.kernel_support(rows, *pairs)
 
 
-@pytest.mark.parametrize("expert_dtype, tokens", [("fp4", 1), ("fp4", 16), ("fp8", 1)],
-                         ids=["fp4-decode", "fp4-prefill", "fp8-decode"])
-def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens):
+@pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
+    ("fp4", 1, "wgmma"), ("fp4", 16, "wgmma"), ("fp8", 1, "wgmma"), ("fp4", 1, "mma_sync")],
+    ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-mma-sync"])
+def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
+    monkeypatch.setenv(moe_op.ALGORITHM_ENV_VAR, algorithm)
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
     # Sparse attention on its reference: every custom call left is the MoE's.
     monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
     text = _lower(cfg, tokens)
-    assert CUSTOM_CALL in text and MOE_KERNEL in text
+    assert CUSTOM_CALL in text and MOE_KERNEL[algorithm] in text
+    other = MOE_KERNEL["wgmma" if algorithm == "mma_sync" else "mma_sync"]
+    assert other not in text
     monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla,moe=xla")
     assert CUSTOM_CALL not in _lower(cfg, tokens)
 

@@ -1,0 +1,120 @@
+"""Register-level conversions and warp MMA shared by the MoE kernels (sm_90a, CuTe DSL).
+
+FP4 e2m1 and FP8 e4m3 codes become exact bf16 values times an E8M0 block scale in a few
+integer instructions (``tests/test_kernels_moe_sm90.py`` replays both on every code), and
+``mma_m16n8k16_bf16`` is the warp-level tensor-core MMA with the PTX fragment layout.
+"""
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .moe_sm90 import BF16_2POW120, FP4_BF16_HI, FP4_BF16_LO
+
+
+def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=None):
+    return llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * out_count) if out_count > 1 else T.i32(),
+        [Int32(a).ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
+    """Eight packed e2m1 codes (low nibble first) -> four bf16x2 words, times ``multiplier``.
+
+    Byte permutes as 8-entry lookup tables: with the magnitude bits of four codes as the
+    selector, one ``prmt`` gives the four high bytes and one the four low bytes of the bf16
+    magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6); a third ``prmt`` in sign-replicate mode over
+    0x80 bytes marks the negative codes (0xFF, else 0x80: bit 6 is the sign), which one
+    ``lop3`` moves to bit 7 of the high bytes. Two permutes interleave low and high bytes
+    into bf16x2 words and one bf16x2 multiply applies the power-of-two block scale (exact).
+    """
+    text = (
+        "{\n"
+        ".reg .b32 m, w, ha, hb, la, lb, c8, h, l, p;\n"
+        f"mov.b32 ha, {FP4_BF16_HI[0]:#010x};\n"
+        f"mov.b32 hb, {FP4_BF16_HI[1]:#010x};\n"
+        f"mov.b32 la, {FP4_BF16_LO[0]:#010x};\n"
+        f"mov.b32 lb, {FP4_BF16_LO[1]:#010x};\n"
+        "mov.b32 c8, 0x80808080;\n"
+        "and.b32 m, $4, 0x77777777;\n"
+        "mov.b32 w, $4;\n"
+        + "".join(
+            ("" if i == 0 else "shr.u32 m, m, 16;\nshr.u32 w, w, 16;\n")
+            + "prmt.b32 h, ha, hb, m;\n"
+            "prmt.b32 l, la, lb, m;\n"
+            "prmt.b32 p, c8, c8, w;\n"
+            "shl.b32 p, p, 1;\n"
+            "lop3.b32 h, h, p, c8, 0xF8;\n"              # h | (p & c8)
+            f"prmt.b32 ${2 * i}, l, h, 0x5140;\n"
+            f"prmt.b32 ${2 * i + 1}, l, h, 0x7362;\n"
+            f"mul.rn.bf16x2 ${2 * i}, ${2 * i}, $5;\n"
+            f"mul.rn.bf16x2 ${2 * i + 1}, ${2 * i + 1}, $5;\n"
+            for i in range(2))
+        + "}")
+    res = _asm(4, [word, multiplier], text, "=r,=r,=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
+@dsl_user_op
+def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
+    """Four e4m3 codes -> two bf16x2 words, times ``multiplier``.
+
+    Each byte moves to the low byte of a bf16 half; the bf16 bits ``sign << 15 | (code &
+    0x7F) << 4`` put the 4-bit exponent in the lowest bf16 exponent bits and the 3-bit
+    mantissa on top of the bf16 mantissa: the code's value times 2^-120 (e4m3 subnormals
+    become bf16 subnormals). Multiplying by 2^120 and by ``multiplier`` is exact.
+    """
+    text = (
+        "{\n"
+        ".reg .b32 p, s, m, k, z;\n"
+        f"mov.b32 k, {BF16_2POW120 * 0x10001:#010x};\n"
+        "mov.b32 z, 0;\n"
+        + "".join(
+            f"prmt.b32 p, $2, z, {0x4140 + 0x0202 * i:#06x};\n"
+            "shl.b32 s, p, 8;\n"
+            "shl.b32 m, p, 4;\n"
+            "and.b32 s, s, 0x80008000;\n"
+            "and.b32 m, m, 0x07F007F0;\n"
+            f"or.b32 ${i}, s, m;\n"
+            f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
+            f"mul.rn.bf16x2 ${i}, ${i}, $3;\n"
+            for i in range(2))
+        + "}")
+    res = _asm(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+@cute.jit
+def e8m0_bf16x2(e8: Int32) -> Int32:
+    """bf16 2^(e8 - 127) in both halves of a word (e8 = 0 gives the subnormal 2^-127)."""
+    mult = Int32(0x00400040)
+    if e8 > 0:
+        mult = (e8 << 7) | (e8 << 23)
+    return mult
+
+
+@dsl_user_op
+def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: d = A B + C for one warp.
+
+    PTX fragments, lane = 4 g + t (g = lane / 4, t = lane % 4), each register a bf16 pair
+    (low half first): ``a = (A[g, 2t:2t+2], A[g+8, 2t:2t+2], A[g, 2t+8:2t+10],
+    A[g+8, 2t+8:2t+10])``, ``b = (B[2t:2t+2, g], B[2t+8:2t+10, g])``; ``c``/d (f32) =
+    ``(C[g, 2t], C[g, 2t+1], C[g+8, 2t], C[g+8, 2t+1])`` with A 16x16, B 16x8, C 16x8.
+    """
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
