@@ -3,13 +3,18 @@
     python benchmarks/bench_moe.py [--shapes flash,pro] [--tokens 1,8,64,512,4096,16384]
                                    [--routings balanced,skewed] [--weights fp4|fp8|bf16]
                                    [--xla-max-tokens 4096] [--no-xla] [--runs 20]
-                                   [--quick] [--tiny] [--out table.md]
+                                   [--algorithms wgmma,mma_sync] [--quick] [--tiny]
+                                   [--out table.md]
 
 Shapes: Flash E=256 experts, d=4096, inter=2048, k=6; Pro E=384, d=7168, inter=3072, k=6.
 Weights (FP4 + E8M0 1x32 by default, FP8 + E8M0 128x128 with ``--weights fp8``) and inputs are
 generated on the device with jax.random. Routings: ``balanced`` -- each token picks k distinct
 experts uniformly; ``skewed`` -- expert e is picked with probability ~ 1/(e+1) (a few hot
 experts hold most rows, many get none).
+
+Kernel algorithms (``DSV4_MOE_ALGORITHM``) for decode-size inputs (rows <= 4 E): each of
+``--algorithms`` is timed; "ours" is the fastest, the per-algorithm times are listed. Larger
+inputs run the WGMMA prefill tiles whatever the choice, so they are timed once.
 
 Timing: one jitted function runs R calls on R distinct input sets (own tokens and routing, so
 consecutive calls touch different experts and nothing stays in the 60 MB L2); the median over
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import statistics
 import sys
 import time
@@ -38,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import quant
-from dsv4_jax.ffi.moe import moe_experts
+from dsv4_jax.ffi.moe import ALGORITHM_ENV_VAR, moe_experts
 
 PEAK_TBPS = 4.3
 PEAK_TFLOPS = 790.0
@@ -143,21 +149,34 @@ def bench_case(name, shape, weights, tokens, kind, args, on_gpu):
     flops = 2 * tokens * shape["k"] * 3 * shape["dim"] * shape["inter"]
     row = dict(shape=name, weights=args.weights, T=tokens, routing=kind, touched=touched,
                reps=reps, nbytes=nbytes, flops=flops)
-    impls = (["cute"] if on_gpu else []) + ([] if args.no_xla else ["xla"])
-    for impl in impls:
+    decode = tokens * shape["k"] <= 4 * shape["experts"]
+    algorithms = args.algorithms.split(",") if decode else ["wgmma"]
+    runs = ([("cute", a) for a in algorithms] if on_gpu else []) + (
+        [] if args.no_xla else [("xla", "")])
+    row["by_algorithm"] = {}
+    for impl, algorithm in runs:
         if impl == "xla" and tokens > args.xla_max_tokens:
             row[impl] = "skip"
             continue
+        os.environ[ALGORITHM_ENV_VAR] = algorithm or "wgmma"     # read when traced
         try:
             compiled, temp = compile_runner(impl, weights, sets)
-            row[impl] = median_time(compiled, (weights, sets), args.runs) / reps
-            row[impl + "_temp_gib"] = temp / 2 ** 30
+            seconds = median_time(compiled, (weights, sets), args.runs) / reps
             del compiled
         except Exception as err:      # XLA at large T: report, keep going
             if not is_oom(err):
                 raise
-            row[impl] = "oom"
+            seconds, temp = "oom", float("nan")
+        if impl == "cute":
+            row["by_algorithm"][algorithm] = seconds
+            best = min((v for v in row["by_algorithm"].values() if isinstance(v, float)),
+                       default=seconds)
+            if best == seconds:
+                row["cute"], row["cute_temp_gib"] = seconds, temp / 2 ** 30
+        else:
+            row["xla"], row["xla_temp_gib"] = seconds, temp / 2 ** 30
         gc.collect()
+    os.environ.pop(ALGORITHM_ENV_VAR, None)
     row["peak_gib"] = device_peak_gib()
     return row
 
@@ -167,9 +186,10 @@ def _fmt_time(v):
 
 
 def table(rows) -> str:
-    lines = ["| shape | weights | T | routing | experts touched | ours (us) | XLA (us) | speedup "
-             "| GB/s | % of 4.3 TB/s | TF/s | % of 790 | temp GiB ours / XLA | peak GiB |",
-             "|" + "---|" * 14]
+    lines = ["| shape | weights | T | routing | experts touched | ours (us) | per algorithm (us) "
+             "| XLA (us) | speedup | GB/s | % of 4.3 TB/s | TF/s | % of 790 "
+             "| temp GiB ours / XLA | peak GiB |",
+             "|" + "---|" * 15]
     for r in rows:
         ours = r.get("cute", "n/a")
         main = ours if isinstance(ours, float) else r.get("xla")
@@ -179,9 +199,12 @@ def table(rows) -> str:
         speedup = (f"{r['xla'] / ours:.1f}x" if isinstance(ours, float)
                    and isinstance(r.get("xla"), float) else "")
         of = "" if isinstance(ours, float) or not timed else " (XLA)"   # rates of whose time
+        by_algorithm = " / ".join(f"{a} {_fmt_time(v)}"
+                                  for a, v in r.get("by_algorithm", {}).items())
         lines.append(
             f"| {r['shape']} | {r['weights']} | {r['T']} | {r['routing']} | {r['touched']:.1f} "
-            f"| {_fmt_time(ours)} | {_fmt_time(r.get('xla', 'n/a'))} | {speedup} "
+            f"| {_fmt_time(ours)} | {by_algorithm} | {_fmt_time(r.get('xla', 'n/a'))} "
+            f"| {speedup} "
             f"| {gbps:.0f}{of} | {100 * gbps / (PEAK_TBPS * 1e3):.1f}% | {tfs:.1f}{of} "
             f"| {100 * tfs / PEAK_TFLOPS:.1f}% | {r.get('cute_temp_gib', float('nan')):.2f} / "
             f"{r.get('xla_temp_gib', float('nan')):.2f} | {r['peak_gib']:.1f} |")
@@ -198,6 +221,8 @@ def parse_args(argv=None):
                    help="skip the XLA reference above this many tokens")
     p.add_argument("--no-xla", action="store_true")
     p.add_argument("--runs", type=int, default=20, help="timed executions per case (>= 20)")
+    p.add_argument("--algorithms", default="wgmma,mma_sync",
+                   help="kernel algorithms timed for decode-size inputs (DSV4_MOE_ALGORITHM)")
     p.add_argument("--quick", action="store_true",
                    help="Flash only, T 1/64/4096, balanced routing, 20 runs")
     p.add_argument("--tiny", action="store_true",

@@ -18,7 +18,8 @@ cache; tokens/s per layer = C / ((t_big - t_small) / (L_big - L_small)).
 
 ``--impls``: values of ``DSV4_IMPLEMENTATION`` compared in the same run -- ``auto`` (the CuTe
 kernels where they apply), ``moe=xla`` (the MoE on its XLA reference, attention kernel kept:
-the pre-kernel model), ``xla`` (every op on its reference). The per-kernel breakdown profiles one
+the pre-kernel model), ``xla`` (every op on its reference); a ``+ALGORITHM`` suffix also sets
+``DSV4_MOE_ALGORITHM`` (``auto+mma_sync``: the MoE's warp-level decode kernel). The per-kernel breakdown profiles one
 step of the big stack per impl (``jax.profiler``) and lists the top device ops by total time.
 Tables go to stdout and, with ``--out``, to a markdown file.
 """
@@ -40,7 +41,7 @@ import dsv4_jax as dj  # first: XLA flags
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.ffi import dispatch
+from dsv4_jax.ffi import dispatch, moe as moe_op
 from dsv4_jax.params import abstract_params
 
 
@@ -67,7 +68,9 @@ def sub_stack(params: dict, layers: int) -> dict:
 
 
 def set_impl(value: str):
-    """Select the implementations for functions traced from now on."""
+    """Select the implementations for functions traced from now on (``impl[+algorithm]``)."""
+    value, _, algorithm = value.partition("+")
+    os.environ[moe_op.ALGORITHM_ENV_VAR] = algorithm or "wgmma"
     if value == "auto":
         os.environ.pop(dispatch.ENV_VAR, None)
     else:
@@ -220,7 +223,8 @@ def run_prefill(args, base, params_big, out):
              "| impl | chunk | L=%d (ms) | L=%d (ms) | per layer (ms) | tokens/s per layer | "
              "tokens/s (L=%d) |" % (small, big, big), "|---|---|---|---|---|---|---|"]
     keep = {}
-    for impl in args.impls:
+    # A "+algorithm" suffix only changes decode tiles: prefill chunks run the same kernels.
+    for impl in dict.fromkeys(i.partition("+")[0] for i in args.impls):
         set_impl(impl)
         for chunk in args.chunks:
             if impl != "auto" and chunk > args.xla_max_chunk:
@@ -277,7 +281,7 @@ def parse_args(argv=None):
     p.add_argument("--xla-max-chunk", type=int, default=2048,
                    help="longest prefill chunk run with a non-auto impl (XLA's MoE runs out "
                         "of memory beyond)")
-    p.add_argument("--impls", default="auto,moe=xla",
+    p.add_argument("--impls", default="auto,auto+mma_sync,moe=xla",
                    help="DSV4_IMPLEMENTATION values to compare (auto = the kernels)")
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--profile-chunk", type=int, default=4096)
