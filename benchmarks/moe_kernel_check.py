@@ -1,6 +1,7 @@
 """GPU check of the MoE kernels (H100/H200): exactness, numerics vs a float reference, timings.
 
     source .device/setup.sh && python3 benchmarks/moe_kernel_check.py
+    source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_sync python3 benchmarks/moe_kernel_check.py
 
 * exact decode: one-hot token rows read every weight back through the kernel (FP4, FP8,
   BF16 weights, scales over 2^-37..2^32): must equal the dequantised weights bit for bit;
@@ -66,21 +67,22 @@ def bench(fn, n=30):
         res.append((time.perf_counter() - t0) / n)
     return float(np.median(res))
 
-def check_decode_exact(fmt):
-    """One-hot rows read the dequantised weights back through the kernel: must be exact."""
+def check_decode_exact(fmt, decode_tiles):
+    """One-hot rows read the dequantised weights back through the kernel: must be exact.
+    ``decode_tiles``: the decode config (``DSV4_MOE_ALGORITHM``) instead of the prefill one."""
     E, N, K = 3, 128, 512
     w, s = make_w(jax.random.key(1), E, N, K, fmt, 90, 160)
     A = 3 * K
     ea = jnp.repeat(jnp.arange(3, dtype=jnp.int32), K)
     xs = jnp.tile(jnp.eye(K, dtype=jnp.bfloat16), (3, 1))
-    cfg = ms.choose_config(A, E, fmt)
+    cfg = ms.choose_config(E if decode_tiles else A, E, fmt, ms.decode_algorithm())
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
     y = ms.grouped_gemm_sm90(xs[order], (order, *tiles), w, s, config=cfg)
     y = jnp.zeros_like(y).at[order].set(y)
     ref = deq(w, s, fmt)                    # [E, N, K]; row (e, k) of y = ref[e, :, k]
     want = jnp.transpose(ref, (0, 2, 1)).reshape(A, N)
     ok = bool(jnp.all(y.astype(jnp.float32) == bf(want)))
-    print(f"exact decode {fmt} (block_n {cfg.block_n}):", ok, float(jnp.max(jnp.abs(y.astype(jnp.float32) - want))))
+    print(f"exact decode {fmt} ({cfg}):", ok, float(jnp.max(jnp.abs(y.astype(jnp.float32) - want))))
     return ok
 
 def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
@@ -103,7 +105,7 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
     # timing
     for _ in range(3): f(xa, ea, wa, w1, w3, w2).block_until_ready()
     t = bench(lambda: f(xa, ea, wa, w1, w3, w2))
-    cfg = ms.choose_config(xa.shape[0], E, fmt)
+    cfg = ms.choose_config(xa.shape[0], E, fmt, ms.decode_algorithm())
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
     xs = xa[order]; rws = wa[order]
     g1 = jax.jit(lambda xs, sched, w1, w3, rws: ms.grouped_gemm_sm90(xs, sched, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT, config=cfg))
@@ -122,7 +124,8 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
 if __name__ == "__main__":
     print(jax.devices())
     for fmt in ("fp4", "fp8", "bf16"):
-        check_decode_exact(fmt)
+        check_decode_exact(fmt, False)
+        check_decode_exact(fmt, True)
     run_case("small", 3, 2, 8, 256, 128, "fp4", True)
     run_case("small-nosim", 5, 2, 8, 256, 128, "fp4", False)
     run_case("small fp8", 3, 2, 8, 512, 512, "fp8", True)

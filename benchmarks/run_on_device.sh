@@ -2,6 +2,7 @@
 # One device-machine session: install, GPU tests, benchmark. Logs go to $OUT (or ./device_out).
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh [tests|bench|all] [bench args]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh profile pro 64 [64x2]
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe    # MoE: both algorithms
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -20,6 +21,18 @@ fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-330} python3 benchmarks/bench_sparse_attention.py --markdown "$OUT/bench${BENCH_TAG:-}.md" "$@" \
     2>&1 | tee "$OUT/bench${BENCH_TAG:-}.log" | grep -v Warning
+fi
+if [[ $what == moe ]]; then
+  # Exactness and timings of both decode algorithms, then the op's GPU tests, then the
+  # op benchmark; each step bounded so that one device call finishes them all.
+  for alg in wgmma mma_sync; do
+    DSV4_MOE_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py \
+      2>&1 | grep -v Warning | tee "$OUT/moe_check_$alg.log"
+  done
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -x \
+    tests/test_moe.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -30
+  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
+    --out "$OUT/bench_moe.md" 2>&1 | grep -v Warning | tee "$OUT/bench_moe.log" | tail -12
 fi
 if [[ $what == profile ]]; then
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
