@@ -57,7 +57,7 @@ from .dispatch import cute_or_reference, select_implementation
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
            "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
-           "decode_algorithm",
+           "decode_algorithm", "moe_experts_cute",
            "weight_format", "moe_expert_rows_cute", "moe_schedule", "grouped_gemm_sm90"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -281,11 +281,14 @@ def moe_experts_reference(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, qu
 #    last and are dropped), per-expert counts and offsets, and a static worst-case list of
 #    row tiles (expert, first sorted row, row count) -- ``num_tile_slots`` entries, unused
 #    slots have expert -1;
-# 2. x (FP8 1x128 quantisation simulated when asked, as the reference does) gathered in sorted
-#    order; launch 1: ``h = bf16(w_r * swiglu(bf16(x w1^T), bf16(x w3^T)))``, both matrices
-#    and the SwiGLU in one kernel;
+# 2. x (FP8 1x128 quantisation simulated when asked, as the reference does, on the source
+#    rows: the T tokens for ``moe_experts``) gathered in sorted order; launch 1:
+#    ``h = bf16(w_r * swiglu(bf16(x w1^T), bf16(x w3^T)))``, both matrices and the SwiGLU in
+#    one kernel;
 # 3. h quantised the same way when simulating; launch 2: ``y = bf16(h w2^T)``;
-# 4. rows scattered back to assignment order (dropped rows are zero).
+# 4. ``moe_experts``: sorted rows summed into their tokens in f32; ``moe_expert_rows``: rows
+#    scattered back to assignment order (dropped rows are zero).
+# Rows in no tile are never written by the kernel: step 4 masks them with the validity.
 #
 # Weights stay in their storage format (the kernel reads the FP4/FP8 bytes and E8M0 scales).
 
@@ -398,28 +401,51 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
     return y
 
 
+def _sorted_rows_cute(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, config):
+    """Both launches on assignment rows sorted by expert; row ``a`` reads
+    ``x[source_row[a]]`` (``source_row`` None: ``x[a]``). Returns ``order`` and the sorted
+    rows' outputs ``[A, d]`` bf16 (rows of dropped ids are zero)."""
+    num_experts = w1[0].shape[0]
+    config = config or choose_config(ea.shape[0], num_experts, _kernel_weight_format(*w1),
+                                     decode_algorithm())
+    order, valid_sorted, *tiles = moe_schedule(ea, num_experts, config.block_n)
+    schedule = (order, *tiles)
+    # The FP8 simulation quantises each row on its own, so it commutes with the gather:
+    # quantise the (fewer) source rows, then gather.
+    xq = quant.act_quant_dequant(x).astype(jnp.bfloat16) if simulate else x
+    rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
+    rows = order if source_row is None else source_row[order]
+    h = grouped_gemm_sm90(xq[rows], schedule, *w1, weight_b=w3[0], scale_b=w3[1],
+                          route_w=rw, swiglu_limit=swiglu_limit, config=config)
+    if simulate:
+        h = quant.act_quant_dequant(h).astype(jnp.bfloat16)
+    ys = grouped_gemm_sm90(h, schedule, *w2, config=config)
+    return order, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+
+
 def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulate: bool,
                          config: MoeGemmSm90Config | None = None):
     """``moe_expert_rows`` on the Hopper kernel (two launches, see the section comment);
     rows whose expert id is outside [0, E) give zeros. ``simulate``: FP8 activation
     quantisation (quantised weights with the simulation on). ``config``: the kernel
     variant, else ``choose_config``'s (decode tiles: ``DSV4_MOE_ALGORITHM``)."""
-    rows = xa.shape[0]
-    num_experts = w1[0].shape[0]
-    config = config or choose_config(rows, num_experts, _kernel_weight_format(*w1),
-                                     decode_algorithm())
-    order, valid_sorted, *tiles = moe_schedule(ea, num_experts, config.block_n)
-    schedule = (order, *tiles)
-    x = quant.act_quant_dequant(xa).astype(jnp.bfloat16) if simulate else xa
-    rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
-    h = grouped_gemm_sm90(x[order], schedule, *w1, weight_b=w3[0],
-                          scale_b=w3[1], route_w=rw, swiglu_limit=swiglu_limit,
-                          config=config)
-    if simulate:
-        h = quant.act_quant_dequant(h).astype(jnp.bfloat16)
-    ys = grouped_gemm_sm90(h, schedule, *w2, config=config)
-    ys = jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+    order, ys = _sorted_rows_cute(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
+                                  simulate=simulate, config=config)
     return jnp.zeros_like(ys).at[order].set(ys).astype(xa.dtype)
+
+
+def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
+                     simulate: bool, config: MoeGemmSm90Config | None = None):
+    """``moe_experts`` on the Hopper kernel: as ``moe_expert_rows_cute`` on the T k
+    assignments, but the FP8 simulation runs on the T token rows, the sorted rows gather
+    their token directly and their outputs are summed into tokens (f32) without first
+    being scattered back to assignment order."""
+    t, k = route_idx.shape
+    token = jnp.arange(t * k, dtype=jnp.int32) // k
+    order, ys = _sorted_rows_cute(x, token, route_idx.reshape(-1), route_w.reshape(-1),
+                                  w1, w3, w2, swiglu_limit=swiglu_limit, simulate=simulate,
+                                  config=config)
+    return jax.ops.segment_sum(ys.astype(jnp.float32), token[order], num_segments=t)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -452,11 +478,18 @@ def moe_experts(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized, s
                 implementation=None):
     """Routed-expert output of one MoE layer, f32 ``[T, d]``; see the module docstring.
 
-    ``implementation`` as for ``moe_expert_rows`` (which computes the rows).
+    ``implementation`` as for ``moe_expert_rows``.
     """
     check_moe_args(x, route_idx, route_w, w1, w3, w2, op="moe_experts")
     _check_ids_in_range(route_idx, w1[0].shape[0], "moe_experts")
-    rows = functools.partial(moe_expert_rows, w1=w1, w3=w3, w2=w2, swiglu_limit=swiglu_limit,
-                             quantized=quantized, simulate=simulate,
-                             implementation=implementation)
-    return _token_sum(rows, x, route_idx, route_w)
+    rows = jax.ShapeDtypeStruct((route_idx.size, x.shape[1]), x.dtype)
+    choice = select_implementation("moe", implementation, kernel_support(rows, w1, w3, w2))
+    reference = functools.partial(moe_experts_reference, swiglu_limit=swiglu_limit,
+                                  quantized=quantized, simulate=simulate)
+    if choice == "xla":
+        return reference(x, route_idx, route_w, w1, w3, w2)
+    cute = functools.partial(moe_experts_cute, swiglu_limit=float(swiglu_limit),
+                             simulate=bool(quantized and simulate))
+    if choice == "cute":
+        return cute(x, route_idx, route_w, w1, w3, w2)
+    return cute_or_reference(cute, reference, x, route_idx, route_w, w1, w3, w2)
