@@ -1,17 +1,21 @@
-"""Register-level conversions and warp MMA shared by the MoE kernels (sm_90a, CuTe DSL).
+"""Device helpers shared by the two MoE kernels (sm_90a, CuTe DSL).
 
 FP4 e2m1 and FP8 e4m3 codes become exact bf16 values times an E8M0 block scale in a few
-integer instructions (``tests/test_kernels_moe_sm90.py`` replays both on every code), and
-``mma_m16n8k16_bf16`` is the warp-level tensor-core MMA with the PTX fragment layout.
+integer instructions (``tests/test_kernels_moe_sm90.py`` replays both on every code);
+``mma_m16n8k16_bf16`` is the warp-level tensor-core MMA with the PTX fragment layout;
+``copy_bytes`` is one cp.async of raw bytes; ``gated_output`` is the SwiGLU epilogue.
 """
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .moe_sm90 import BF16_2POW120, FP4_BF16_HI, FP4_BF16_LO
+
+LOG2_E = 1.4426950408889634
 
 
 def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=None):
@@ -118,3 +122,27 @@ def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
                  for i in range(4))
+
+
+@cute.jit
+def copy_bytes(atom: cute.CopyAtom, nbytes: cutlass.Constexpr, src: Int64, dst: Int32):
+    """One cp.async of ``nbytes`` raw bytes: global address ``src`` -> shared ``dst``."""
+    s = cute.make_tensor(cute.make_ptr(cutlass.Uint8, src, cute.AddressSpace.gmem,
+                                       assumed_align=nbytes), cute.make_layout((nbytes,)))
+    d = cute.make_tensor(cute.make_ptr(cutlass.Uint8, dst, cute.AddressSpace.smem,
+                                       assumed_align=nbytes), cute.make_layout((nbytes,)))
+    cute.copy(atom, s, d)
+
+
+@cute.jit
+def gated_output(acc_gate: Float32, acc_up: Float32, route_w: Float32,
+                 limit: cutlass.Constexpr) -> Float32:
+    """``route_w * silu(min(g, l)) * clamp(u, -l, l)`` in f32 with ``g``, ``u`` the GEMM
+    outputs rounded to bf16 (the reference's rounding points); ``limit`` 0: no clamp."""
+    gate = acc_gate.to(cutlass.BFloat16).to(Float32)
+    up = acc_up.to(cutlass.BFloat16).to(Float32)
+    if const_expr(limit > 0):
+        up = cute.arch.fmax(cute.arch.fmin(up, Float32(limit)), Float32(-limit))
+        gate = cute.arch.fmin(gate, Float32(limit))
+    silu = gate / (Float32(1.0) + cute.math.exp2(-gate * LOG2_E))
+    return route_w * (silu * up)

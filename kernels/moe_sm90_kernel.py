@@ -50,13 +50,13 @@ from cutlass.tensor_utils import LayoutEnum
 from .sm90_primitives import cp_async_arrive
 from .moe_sm90 import (BLOCK_K, BLOCK_M, DECODE_CONFIG, PREFILL_CONFIG,  # noqa: F401
                        ROW_BYTES, MoeGemmSm90Config, choose_config, num_tile_slots)
-from .moe_sm90_convert import fp4x8_to_bf16x8, fp8x4_to_bf16x4
+from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
+                               gated_output)
 from .moe_sm90_warp import MoeGemmWarpSm90
 
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
 REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
-LOG2_E = 1.4426950408889634
 
 
 class MoeGemmSm90:
@@ -184,20 +184,20 @@ class MoeGemmSm90:
                     dst = raw + (stage * raw_stage + (mat * BLOCK_M + r) * self.row_bytes
                                  + c * 16)
                     if issue:
-                        self.copy_bytes(atom16, 16, src, dst)
+                        copy_bytes(atom16, 16, src, dst)
                 # Scale bytes: 4 per row (FP4: K/32 per row, four per K block); FP8: the
                 # aligned 4 bytes holding this K block's byte of the row block's scale row.
                 if const_expr(self.weight_format == "fp4"):
                     if tidx < BLOCK_M:
                         src = s_base + ((w_row0 + tidx) * (k_in // 32) + kb * 4)
                         dst = scales + ((stage * self.mats + mat) * BLOCK_M + tidx) * 4
-                        self.copy_bytes(atom4, 4, src, dst)
+                        copy_bytes(atom4, 4, src, dst)
                 if const_expr(self.weight_format == "fp8"):
                     if tidx == 0:
                         blk_row = (expert * (n_out // 128) + m_tile * BLOCK_M // 128).to(Int64)
                         src = s_base + blk_row * (k_in // 128) + (kb // 4) * 4
                         dst = scales + ((stage * self.mats + mat) * BLOCK_M) * 4
-                        self.copy_bytes(atom4, 4, src, dst)
+                        copy_bytes(atom4, 4, src, dst)
             # Token rows: bn rows x 16 chunks of 8 bf16; rows past the tile's count repeat
             # the tile's first row (never stored).
             x_base = mX.iterator.toint()
@@ -212,15 +212,6 @@ class MoeGemmSm90:
             pipe.producer_commit(state)
             state.advance()
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def copy_bytes(self, atom: cute.CopyAtom, nbytes: cutlass.Constexpr, src: Int64,
-                   dst: Int32):
-        s = cute.make_tensor(cute.make_ptr(cutlass.Uint8, src, cute.AddressSpace.gmem,
-                                           assumed_align=nbytes), cute.make_layout((nbytes,)))
-        d = cute.make_tensor(cute.make_ptr(cutlass.Uint8, dst, cute.AddressSpace.smem,
-                                           assumed_align=nbytes), cute.make_layout((nbytes,)))
-        cute.copy(atom, s, d)
 
     @cute.jit
     def copy_bf16x8(self, src: Int64, dst: cute.Tensor):
@@ -305,13 +296,7 @@ class MoeGemmSm90:
                     cute.make_ptr(Int32, row_addr + half * 32 + c * 16,
                                   cute.AddressSpace.smem, assumed_align=16),
                     cute.make_layout((4,))).load()
-                e8 = (sw >> (8 * (half * 2 + c))) & 0xFF
-                # bf16 2^(e8 - 127) in both halves (e8 = 0 gives a subnormal, exact).
-                mult = Int32(0)
-                if e8 > 0:
-                    mult = (e8 << 7) | (e8 << 23)
-                else:
-                    mult = Int32(0x00400040)
+                mult = e8m0_bf16x2((sw >> (8 * (half * 2 + c))) & 0xFF)
                 for w in cutlass.range_constexpr(4):        # 8 codes -> one 16 B chunk
                     out = cute.make_rmem_tensor((4,), Int32)
                     o = fp4x8_to_bf16x8(raw_words[w], mult)
@@ -320,12 +305,7 @@ class MoeGemmSm90:
                     chunk = half * 8 + c * 4 + w
                     sA_vec[None, r, chunk, buf].store(out.load().bitcast(self.dtype))
         elif const_expr(self.weight_format == "fp8"):
-            e8 = (scale_word[0] >> (8 * (kb % 4))) & 0xFF
-            mult = Int32(0)
-            if e8 > 0:
-                mult = (e8 << 7) | (e8 << 23)
-            else:
-                mult = Int32(0x00400040)
+            mult = e8m0_bf16x2((scale_word[0] >> (8 * (kb % 4))) & 0xFF)
             for c in cutlass.range_constexpr(4):            # 16 B = 16 codes each
                 raw_words = cute.make_tensor(
                     cute.make_ptr(Int32, row_addr + half * 64 + c * 16,
@@ -354,19 +334,11 @@ class MoeGemmSm90:
         bn = self.block_n
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, bn)))
         col0 = m_tile * BLOCK_M
-        limit = self.swiglu_limit
         for i in cutlass.range_constexpr(cute.size(acc_a)):
             m, n = tCcC[i][0], tCcC[i][1]
             if n < rows:
                 if const_expr(self.gated):
-                    g = acc_a[i].to(self.dtype).to(Float32)
-                    u = acc_b[i].to(self.dtype).to(Float32)
-                    if const_expr(limit > 0):
-                        u = cute.arch.fmax(cute.arch.fmin(u, Float32(limit)),
-                                           Float32(-limit))
-                        g = cute.arch.fmin(g, Float32(limit))
-                    silu = g / (Float32(1.0) + cute.math.exp2(-g * LOG2_E))
-                    h = mRw[row0 + n] * (silu * u)
+                    h = gated_output(acc_a[i], acc_b[i], mRw[row0 + n], self.swiglu_limit)
                     mOut[row0 + n, col0 + m] = h.to(self.dtype)
                 else:
                     mOut[row0 + n, col0 + m] = acc_a[i].to(self.dtype)

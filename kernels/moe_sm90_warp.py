@@ -42,12 +42,11 @@ from cutlass.cute.nvgpu import cpasync
 from .moe_sm90 import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        MoeGemmSm90Config, warp_lane_columns, warp_lane_weight_byte, warp_slots,
                        warp_stage_bytes)
-from .moe_sm90_convert import (e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
-                               mma_m16n8k16_bf16)
+from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
+                               gated_output, mma_m16n8k16_bf16)
 
 NUM_THREADS = 32 * WARP_COUNT
 STEPS = 4                     # MMA steps (K = 32 each: 8 columns per lane) per K block
-LOG2_E = 1.4426950408889634
 
 
 class MoeGemmWarpSm90:
@@ -159,21 +158,21 @@ class MoeGemmWarpSm90:
                         warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
                     dst = stage + ((q * self.chunks + c) * 32 + lane) * 16
                     if load:
-                        _copy(weights_16, 16, src, dst)
+                        copy_bytes(weights_16, 16, src, dst)
                 if const_expr(self.weight_format == "fp4"):
                     # The row's 4 scale bytes of this K block; the lane uses byte t.
                     src = s_base + row * (k_in // 32) + kb * 4
-                    _copy(word_4, 4, src, self.scale_slot(stage, q, lane))
+                    copy_bytes(word_4, 4, src, self.scale_slot(stage, q, lane))
             if const_expr(self.weight_format == "fp8"):
                 # One 128 x 128 scale block for all 16 rows; byte kb % 4 of the word.
                 blk_row = (expert * (n_out // 128) + m_tile // 2).to(Int64)
                 src = s_base + blk_row * (k_in // 128) + (kb // 4) * 4
-                _copy(word_4, 4, src, self.scale_slot(stage, mat, lane))
+                copy_bytes(word_4, 4, src, self.scale_slot(stage, mat, lane))
         x_base = mX.iterator.toint()
         for i in cutlass.range_constexpr(STEPS):
             col = warp_lane_columns(t, kb, i)
             src = x_base + (x_row.to(Int64) * k_in + col) * 2
-            _copy(tokens_16, 16, src, stage + ((self.w_slots + i) * 32 + lane) * 16)
+            copy_bytes(tokens_16, 16, src, stage + ((self.w_slots + i) * 32 + lane) * 16)
 
     def scale_slot(self, stage, index, lane):
         return stage + 16 * 32 * (self.w_slots + self.x_slots) + (index * 32 + lane) * 4
@@ -231,31 +230,15 @@ class MoeGemmWarpSm90:
         """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated)."""
         g, t = lane // 4, lane % 4
         col0 = m_tile * BLOCK_M + warp * WARP_ROWS + g
-        limit = self.swiglu_limit
         for j in cutlass.range_constexpr(4):
             n = 2 * t + j % 2                    # token row of accumulator j
             col = col0 + 8 * (j // 2)            # weight row = output feature
             if n < rows:
                 if const_expr(self.gated):
-                    gate = acc[j].to(self.dtype).to(Float32)
-                    up = acc[4 + j].to(self.dtype).to(Float32)
-                    if const_expr(limit > 0):
-                        up = cute.arch.fmax(cute.arch.fmin(up, Float32(limit)),
-                                            Float32(-limit))
-                        gate = cute.arch.fmin(gate, Float32(limit))
-                    silu = gate / (Float32(1.0) + cute.math.exp2(-gate * LOG2_E))
-                    mOut[row0 + n, col] = (mRw[row0 + n] * (silu * up)).to(self.dtype)
+                    h = gated_output(acc[j], acc[4 + j], mRw[row0 + n], self.swiglu_limit)
+                    mOut[row0 + n, col] = h.to(self.dtype)
                 else:
                     mOut[row0 + n, col] = acc[j].to(self.dtype)
-
-
-@cute.jit
-def _copy(atom: cute.CopyAtom, nbytes: cutlass.Constexpr, src: Int64, dst: Int32):
-    s = cute.make_tensor(cute.make_ptr(cutlass.Uint8, src, cute.AddressSpace.gmem,
-                                       assumed_align=nbytes), cute.make_layout((nbytes,)))
-    d = cute.make_tensor(cute.make_ptr(cutlass.Uint8, dst, cute.AddressSpace.smem,
-                                       assumed_align=nbytes), cute.make_layout((nbytes,)))
-    cute.copy(atom, s, d)
 
 
 def _load_words(addr):
