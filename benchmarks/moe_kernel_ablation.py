@@ -29,7 +29,7 @@ print(f"copy 1 GiB r+w: {2 * x.nbytes / t / 1e9:.0f} GB/s")
 for T in (8, 64, 4096):
     w1, w3, w2, xa, ea, wa, touched = setup(T)
     E = 256
-    base = ms.choose_config(xa.shape[0], E, "fp4")
+    base = ms.choose_config(xa.shape[0], E, "fp4", "wgmma")
     variants = [base] + [dataclasses.replace(base, ablation=a) for a in ("no_dequant", "no_mma")]
     if T <= 64:
         variants += [dataclasses.replace(base, num_stages=s) for s in (3, 6)]

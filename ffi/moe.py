@@ -51,18 +51,18 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.kernels.moe_sm90 import (ALGORITHMS, MoeGemmSm90Config, choose_config,
-                                       num_tile_slots)
+from dsv4_jax.kernels.moe_sm90 import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM, MoeGemmSm90Config,
+                                       choose_config, num_tile_slots)
 from .dispatch import cute_or_reference, select_implementation
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
            "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
-           "decode_algorithm", "moe_experts_cute",
+           "decode_algorithm", "moe_experts_cute", "sum_rows_per_token",
            "weight_format", "moe_expert_rows_cute", "moe_schedule", "grouped_gemm_sm90"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
-# Kernel for decode-size inputs: "wgmma" (default, measured) or "mma_sync" (warp-level MMAs
-# on weights dequantised in registers; not yet measured on a GPU). Read at trace time.
+# Kernel for decode-size inputs: "mma_sync" (default: warp-level MMAs on weights dequantised
+# in registers) or "wgmma" (the prefill kernel with 8-row tiles). Read at trace time.
 ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
 _ACT_DTYPES = (jnp.bfloat16, jnp.float32)
 _PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -255,12 +255,24 @@ def moe_expert_rows_reference(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized
     return jnp.where(valid[:, None], out, jnp.zeros((), dt))
 
 
+def sum_rows_per_token(rows, order, t: int, k: int):
+    """``[t, d]`` f32: token ``i``'s sum of its ``k`` assignment rows, where ``rows[j]``
+    holds assignment ``order[j]`` (assignment ``a`` = token ``a // k``; ``order`` None: the
+    identity). A gather and a reduction over k in a fixed order, not a scatter-add
+    (``segment_sum``): those are atomic on the GPU and change the last bit run to run."""
+    if order is not None:
+        position = jnp.zeros_like(order).at[order].set(
+            jnp.arange(order.shape[0], dtype=order.dtype))
+        rows = rows[position]
+    return rows.astype(jnp.float32).reshape(t, k, rows.shape[-1]).sum(axis=1)
+
+
 def _token_sum(rows_fn, x, route_idx, route_w):
     """Repeat each token per assignment, run ``rows_fn`` and sum each token's rows in f32."""
     t, k = route_idx.shape
     token = jnp.repeat(jnp.arange(t), k)
     out = rows_fn(x[token], route_idx.reshape(-1), route_w.reshape(-1))
-    return jax.ops.segment_sum(out.astype(jnp.float32), token, num_segments=t)
+    return sum_rows_per_token(out, None, t, k)
 
 
 def moe_experts_reference(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized,
@@ -310,7 +322,7 @@ def _kernel_weight_format(weight, scale) -> str | None:
 
 def decode_algorithm() -> str:
     """The kernel algorithm for decode-size inputs, from ``DSV4_MOE_ALGORITHM``."""
-    value = os.environ.get(ALGORITHM_ENV_VAR, "").strip() or "wgmma"
+    value = os.environ.get(ALGORITHM_ENV_VAR, "").strip() or DEFAULT_DECODE_ALGORITHM
     if value not in ALGORITHMS:
         raise ValueError(f"{ALGORITHM_ENV_VAR}={value!r}: must be one of {ALGORITHMS}")
     return value
@@ -438,14 +450,13 @@ def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
                      simulate: bool, config: MoeGemmSm90Config | None = None):
     """``moe_experts`` on the Hopper kernel: as ``moe_expert_rows_cute`` on the T k
     assignments, but the FP8 simulation runs on the T token rows, the sorted rows gather
-    their token directly and their outputs are summed into tokens (f32) without first
-    being scattered back to assignment order."""
+    their token directly and each token gathers and sums its rows (f32, deterministic)."""
     t, k = route_idx.shape
     token = jnp.arange(t * k, dtype=jnp.int32) // k
     order, ys = _sorted_rows_cute(x, token, route_idx.reshape(-1), route_w.reshape(-1),
                                   w1, w3, w2, swiglu_limit=swiglu_limit, simulate=simulate,
                                   config=config)
-    return jax.ops.segment_sum(ys.astype(jnp.float32), token[order], num_segments=t)
+    return sum_rows_per_token(ys, order, t, k)
 
 
 # ----------------------------------------------------------------------------- dispatch

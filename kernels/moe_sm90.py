@@ -141,10 +141,13 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
     stages for K block ``kb``: the codes of ``warp_lane_columns(t, kb, 0..3)``, in order."""
     return kb * ROW_BYTES[weight_format] + t * (ROW_BYTES[weight_format] // 4)
 PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
+# Decode tiles' algorithm unless told otherwise: "mma_sync" was exact and 1.2-1.6x faster
+# than "wgmma" at Flash decode sizes on an H200 (docs/performance.md, 2026-11-23).
+DEFAULT_DECODE_ALGORITHM = "mma_sync"
 
 
 def choose_config(num_rows: int, num_experts: int, weight_format: str,
-                  decode_algorithm: str = "wgmma") -> MoeGemmSm90Config:
+                  decode_algorithm: str = DEFAULT_DECODE_ALGORITHM) -> MoeGemmSm90Config:
     """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
     Decode tiles run ``decode_algorithm``; prefill tiles always WGMMA.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many

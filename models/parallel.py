@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from dsv4_jax.ffi.moe import sum_rows_per_token
 from dsv4_jax.mesh_rules import EXPERT, batch_axes
 
 
@@ -111,8 +112,7 @@ def expert_parallel(x, route_w, route_idx, params, n_experts: int, mesh, rows_fn
         # and a kernel can skip them instead of computing some expert with weight 0.
         out = rows_fn(recv_x.reshape(n * a, -1), recv_e.reshape(-1), recv_w.reshape(-1), pl)
         back = exchange(out.reshape(n, a, -1))
-        mine = back[d_sorted, slot].astype(jnp.float32)
-        return jax.ops.segment_sum(mine, token[order], num_segments=t)
+        return sum_rows_per_token(back[d_sorted, slot], order, t, k)
 
     expert_spec = jax.tree.map(lambda v: None if v is None else _spec(mesh, v.ndim, EXPERT),
                                params, is_leaf=lambda v: v is None)

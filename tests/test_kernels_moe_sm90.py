@@ -241,7 +241,7 @@ MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync")
             for fmt in support.WEIGHT_FORMATS}
 VARIANTS = {"fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG),
             "fp8-down-prefill": ("fp8", False, support.PREFILL_CONFIG),
-            "bf16-gated-decode": ("bf16", True, support.choose_config(8, 4, "bf16")),
+            "bf16-gated-decode": ("bf16", True, support.choose_config(8, 4, "bf16", "wgmma")),
             "fp4-gated-mma-sync": ("fp4", True, MMA_SYNC["fp4"]),
             "fp8-down-mma-sync": ("fp8", False, MMA_SYNC["fp8"]),
             "bf16-gated-mma-sync": ("bf16", True, MMA_SYNC["bf16"])}

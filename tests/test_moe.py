@@ -371,9 +371,9 @@ def test_cute_matches_the_reference_without_simulation(fmt):
 
 def test_decode_algorithm_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(op.ALGORITHM_ENV_VAR, raising=False)
-    assert op.decode_algorithm() == "wgmma"
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "mma_sync")
     assert op.decode_algorithm() == "mma_sync"
+    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "wgmma")
+    assert op.decode_algorithm() == "wgmma"
     monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "simt")
     with pytest.raises(ValueError, match="DSV4_MOE_ALGORITHM='simt'"):
         op.decode_algorithm()

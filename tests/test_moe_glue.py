@@ -103,3 +103,21 @@ def test_the_op_picks_the_token_level_kernel_path(monkeypatch):
                                     quantized=True, simulate=True)
     assert calls == [True, False]                        # gated launch, then w2
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_rows_are_summed_per_token_by_a_gather_not_a_scatter_add():
+    """``sum_rows_per_token`` undoes any row order and sums each token's k rows in f32; its
+    lowering has no scatter-add (atomic on the GPU, so not repeatable bit for bit)."""
+    t, k, d = 5, 3, 4
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((t * k, d)).astype(np.float32)
+    order = rng.permutation(t * k).astype(np.int32)
+    want = rows.reshape(t, k, d).sum(axis=1)
+    got = op.sum_rows_per_token(jnp.asarray(rows[order]), jnp.asarray(order), t, k)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(op.sum_rows_per_token(jnp.asarray(rows), None, t, k)),
+                               want, rtol=1e-6, atol=1e-6)
+    text = jax.jit(op.sum_rows_per_token, static_argnums=(2, 3)).lower(
+        jnp.asarray(rows, jnp.bfloat16), jnp.asarray(order), t, k).as_text()
+    scatter_bodies = [part.split("})", 1)[0] for part in text.split("stablehlo.scatter")[1:]]
+    assert scatter_bodies and not any("stablehlo.add" in body for body in scatter_bodies)
