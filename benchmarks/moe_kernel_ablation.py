@@ -23,31 +23,36 @@ def setup(T, k=6, E=256, d=4096, inter=2048, fmt="fp4", seed=0):
     touched = len(np.unique(np.asarray(idx)))
     return w1, w3, w2, xa, ea, wa, touched
 
-x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
-t = bench(lambda: x * 2.0, 10)
-print(f"copy 1 GiB r+w: {2 * x.nbytes / t / 1e9:.0f} GB/s")
-for T in (8, 64, 4096):
-    w1, w3, w2, xa, ea, wa, touched = setup(T)
-    E = 256
-    base = ms.choose_config(xa.shape[0], E, "fp4", "wgmma")
-    variants = [base] + [dataclasses.replace(base, ablation=a) for a in ("no_dequant", "no_mma")]
-    if T <= 64:
-        variants += [dataclasses.replace(base, num_stages=s) for s in (3, 6)]
-        warp = ms.choose_config(xa.shape[0], E, "fp4", "mma_sync")
-        variants += [warp] + [dataclasses.replace(warp, ablation=a)
-                              for a in ("no_load", "no_dequant")]
-        variants += [dataclasses.replace(warp, num_stages=s) for s in (2, 3, 6)]
-    else:
-        variants += [dataclasses.replace(base, block_n=64, num_stages=4)]
-    per_exp_up = (w1[0][0].nbytes + w1[1][0].nbytes) * 2
-    for cfg in variants:
-        order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
-        xs = xa[order]; rws = wa[order]
-        g1 = jax.jit(lambda xs, sched, w1, w3, rws: ms.grouped_gemm_sm90(xs, sched, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT, config=cfg))
-        try:
-            t1 = bench(lambda: g1(xs, (order, *tiles), w1, w3, rws))
-        except Exception as e:
-            print(T, cfg, "FAILED", type(e).__name__, str(e)[:200]); continue
-        gbs = touched * per_exp_up / t1 / 1e9
-        tf = 2 * T * 6 * 2 * 4096 * 2048 / t1 / 1e12
-        print(f"T={T:5d} up-proj {str(cfg):80s} {t1*1e6:8.1f} us {gbs:6.0f} GB/s {tf:6.1f} TF/s")
+def main():
+    x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+    t = bench(lambda: x * 2.0, 10)
+    print(f"copy 1 GiB r+w: {2 * x.nbytes / t / 1e9:.0f} GB/s")
+    for T in (1, 8, 64, 4096):
+        w1, w3, w2, xa, ea, wa, touched = setup(T)
+        E = 256
+        base = ms.choose_config(xa.shape[0], E, "fp4", "wgmma")
+        variants = [base] + [dataclasses.replace(base, ablation=a) for a in ("no_dequant", "no_mma")]
+        if T <= 64:
+            variants += [dataclasses.replace(base, num_stages=s) for s in (3, 6)]
+            warp = ms.choose_config(xa.shape[0], E, "fp4", "mma_sync")
+            variants += [warp] + [dataclasses.replace(warp, ablation=a)
+                                  for a in ("no_load", "no_dequant")]
+            variants += [dataclasses.replace(warp, num_stages=s) for s in (2, 3, 6)]
+        else:
+            variants += [dataclasses.replace(base, block_n=64, num_stages=4)]
+        per_exp_up = (w1[0][0].nbytes + w1[1][0].nbytes) * 2
+        for cfg in variants:
+            order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
+            xs = xa[order]; rws = wa[order]
+            g1 = jax.jit(lambda xs, sched, w1, w3, rws: ms.grouped_gemm_sm90(xs, sched, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT, config=cfg))
+            try:
+                t1 = bench(lambda: g1(xs, (order, *tiles), w1, w3, rws))
+            except Exception as e:
+                print(T, cfg, "FAILED", type(e).__name__, str(e)[:200]); continue
+            gbs = touched * per_exp_up / t1 / 1e9
+            tf = 2 * T * 6 * 2 * 4096 * 2048 / t1 / 1e12
+            print(f"T={T:5d} up-proj {str(cfg):80s} {t1*1e6:8.1f} us {gbs:6.0f} GB/s {tf:6.1f} TF/s")
+
+
+if __name__ == "__main__":
+    main()

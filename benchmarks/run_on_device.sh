@@ -3,6 +3,8 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh [tests|bench|all] [bench args]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh profile pro 64 [64x2]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe    # MoE: both algorithms
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_detail 8 mma_sync
+#       (MoE GPU tests, gated-launch ablations, Nsight Compute profile of one gated launch)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -34,18 +36,32 @@ if [[ $what == moe ]]; then
   timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
     --out "$OUT/bench_moe.md" 2>&1 | grep -v Warning | tee "$OUT/bench_moe.log" | tail -12
 fi
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+ncu_report() {  # $1: report name under $OUT; details, source-level stall table
+  "$ncu" --import "$OUT/$1.ncu-rep" --page details >"$OUT/ncu_details_$1.txt" 2>&1
+  "$ncu" --import "$OUT/$1.ncu-rep" --page source --csv --print-source sass \
+    >"$OUT/ncu_sass_$1.csv" 2>&1
+  grep -E "Duration|Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy" \
+    "$OUT/ncu_details_$1.txt" | head -30
+  python3 benchmarks/ncu_top_stalls.py "$OUT/ncu_sass_$1.csv" 45
+}
+if [[ $what == moe_detail ]]; then
+  tokens=${1:-8}; alg=${2:-mma_sync}
+  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests/test_moe.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -15
+  (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py 2>&1 \
+    | grep -v Warning | tee "$OUT/moe_ablation.log")
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-120} "$ncu" \
+    --clock-control none --set full -k regex:MoeGemm --launch-skip 2 --launch-count 1 -f \
+    -o "$OUT/moe_$tokens" python3 benchmarks/profile_moe.py "$tokens" "$alg" \
+    >"$OUT/ncu_run_moe.log" 2>&1 || tail -20 "$OUT/ncu_run_moe.log"
+  ncu_report "moe_$tokens"
+fi
 if [[ $what == profile ]]; then
-  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -n 1)
   tag=${1}_${2}
   XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-240} "$ncu" \
     --clock-control none --set full -k regex:SparseAttentionSm90_object --launch-skip 2 \
     --launch-count 1 -f -o "$OUT/sa_$tag" python3 benchmarks/profile_sparse_attention.py "$@" \
     >"$OUT/ncu_run_$tag.log" 2>&1 || tail -20 "$OUT/ncu_run_$tag.log"
-  "$ncu" --import "$OUT/sa_$tag.ncu-rep" --page details >"$OUT/ncu_details_$tag.txt" 2>&1
-  "$ncu" --import "$OUT/sa_$tag.ncu-rep" --page raw >"$OUT/ncu_raw_$tag.txt" 2>&1
-  "$ncu" --import "$OUT/sa_$tag.ncu-rep" --page source --csv --print-source sass \
-    >"$OUT/ncu_sass_$tag.csv" 2>&1
-  grep -E "Duration|Throughput|Registers|Achieved Occupancy|Warp Cycles Per Issued|Issue Slots Busy" \
-    "$OUT/ncu_details_$tag.txt" | head -30
-  python3 benchmarks/ncu_top_stalls.py "$OUT/ncu_sass_$tag.csv" 45
+  ncu_report "sa_$tag"
 fi
