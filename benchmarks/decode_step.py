@@ -19,7 +19,7 @@ cache; tokens/s per layer = C / ((t_big - t_small) / (L_big - L_small)).
 ``--impls``: values of ``DSV4_IMPLEMENTATION`` compared in the same run -- ``auto`` (the CuTe
 kernels where they apply), ``moe=xla`` (the MoE on its XLA reference, attention kernel kept:
 the pre-kernel model), ``xla`` (every op on its reference); a ``+ALGORITHM`` suffix also sets
-``DSV4_MOE_ALGORITHM`` (``auto+mma_sync``: the MoE's warp-level decode kernel). The per-kernel breakdown profiles one
+``DSV4_MOE_ALGORITHM`` (``auto+wgmma``: the MoE's WGMMA kernel on decode tiles too). The per-kernel breakdown profiles one
 step of the big stack per impl (``jax.profiler``) and lists the top device ops by total time.
 Tables go to stdout and, with ``--out``, to a markdown file.
 """
@@ -50,7 +50,9 @@ def gib(n) -> float:
 
 
 def stack_config(base: dj.Config, layers: int) -> dj.Config:
-    return base.replace(n_layers=layers, n_mtp_layers=0,
+    # No hash-routed layers: they send equal token ids to equal experts, so a batch would
+    # touch fewer experts than in the model's 40 score-routed layers.
+    return base.replace(n_layers=layers, n_mtp_layers=0, n_hash_layers=0,
                         compress_ratios=base.compress_ratios[:layers])
 
 
@@ -70,7 +72,10 @@ def sub_stack(params: dict, layers: int) -> dict:
 def set_impl(value: str):
     """Select the implementations for functions traced from now on (``impl[+algorithm]``)."""
     value, _, algorithm = value.partition("+")
-    os.environ[moe_op.ALGORITHM_ENV_VAR] = algorithm or "wgmma"
+    if algorithm:
+        os.environ[moe_op.ALGORITHM_ENV_VAR] = algorithm
+    else:
+        os.environ.pop(moe_op.ALGORITHM_ENV_VAR, None)            # the default
     if value == "auto":
         os.environ.pop(dispatch.ENV_VAR, None)
     else:
@@ -93,7 +98,8 @@ def time_decode(cfg, params, batch, ctx, steps):
     """Median seconds of one decode step at ``ctx`` tokens (the cache advances each step)."""
     step = make_step(cfg)
     cache = filled_cache(cfg, batch, ctx, ctx + steps + 8)
-    tok = jnp.full((batch, 1), 5, jnp.int32)
+    # Distinct tokens per row: equal rows would route to the same experts.
+    tok = (5 + 7919 * jnp.arange(batch, dtype=jnp.int32)[:, None]) % cfg.vocab_size
     t0 = time.perf_counter()
     compiled = step.lower(params, tok, cache).compile()
     compile_s = time.perf_counter() - t0
@@ -281,7 +287,7 @@ def parse_args(argv=None):
     p.add_argument("--xla-max-chunk", type=int, default=2048,
                    help="longest prefill chunk run with a non-auto impl (XLA's MoE runs out "
                         "of memory beyond)")
-    p.add_argument("--impls", default="auto,auto+mma_sync,moe=xla",
+    p.add_argument("--impls", default="auto,auto+wgmma,moe=xla",
                    help="DSV4_IMPLEMENTATION values to compare (auto = the kernels)")
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--profile-chunk", type=int, default=4096)
