@@ -4,7 +4,10 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh profile pro 64 [64x2]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe    # MoE: both algorithms
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_detail 8 mma_sync
-#       (MoE GPU tests, gated-launch ablations, Nsight Compute profile of one gated launch)
+#       (gated-launch ablations, device-op traces of the op, Nsight Compute of one launch)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests general|decode
+#       (the MoE op's GPU tests in two halves of ~5 min each, one process: several
+#        processes on one GPU ran out of its memory at Pro dims)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -25,14 +28,12 @@ if [[ $what == bench || $what == all ]]; then
     2>&1 | tee "$OUT/bench${BENCH_TAG:-}.log" | grep -v Warning
 fi
 if [[ $what == moe ]]; then
-  # Exactness and timings of both decode algorithms, then the op's GPU tests, then the
-  # op benchmark; each step bounded so that one device call finishes them all.
+  # Exactness and timings of both decode algorithms, then the op benchmark (GPU tests:
+  # the moe_tests mode); each step bounded so that one device call finishes them all.
   for alg in wgmma mma_sync; do
     DSV4_MOE_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py \
       2>&1 | grep -v Warning | tee "$OUT/moe_check_$alg.log"
   done
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -p no:cacheprovider -x \
-    tests/test_moe.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -30
   timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
     --out "$OUT/bench_moe.md" 2>&1 | grep -v Warning | tee "$OUT/bench_moe.log" | tail -12
 fi
@@ -45,15 +46,27 @@ ncu_report() {  # $1: report name under $OUT; details, source-level stall table
     "$OUT/ncu_details_$1.txt" | head -30
   python3 benchmarks/ncu_top_stalls.py "$OUT/ncu_sass_$1.csv" 45
 }
+if [[ $what == moe_tests ]]; then
+  part=${1:-general}
+  select=$([[ $part == decode ]] && echo "decode_kernels" || echo "not decode_kernels")
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 \
+    -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
+    | tee "$OUT/moe_gpu_tests_$part.log" | tail -30
+fi
 if [[ $what == moe_detail ]]; then
   tokens=${1:-8}; alg=${2:-mma_sync}
-  timeout ${TEST_TIMEOUT:-280} python3 -m pytest -m gpu -q -p no:cacheprovider \
-    tests/test_moe.py 2>&1 | tee "$OUT/moe_gpu_tests.log" | tail -15
   (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py 2>&1 \
     | grep -v Warning | tee "$OUT/moe_ablation.log")
-  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-120} "$ncu" \
-    --clock-control none --set full -k regex:MoeGemm --launch-skip 2 --launch-count 1 -f \
-    -o "$OUT/moe_$tokens" python3 benchmarks/profile_moe.py "$tokens" "$alg" \
+  (cd benchmarks && timeout ${TRACE_TIMEOUT:-120} python3 profile_moe.py 1,8,64 "$alg" 2>&1 \
+    | grep -v Warning | tee "$OUT/moe_trace.log")
+  # Only the sections needed, application replay: --set full with kernel replay crashed
+  # the process (2026-11-23), and the launch reads GBs of weights that replay would save.
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-150} "$ncu" \
+    --clock-control none --replay-mode application --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section Occupancy \
+    --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats \
+    -k regex:MoeGemm --launch-skip 2 --launch-count 1 -f -o "$OUT/moe_$tokens" \
+    python3 benchmarks/profile_moe.py "$tokens" "$alg" --launch-only \
     >"$OUT/ncu_run_moe.log" 2>&1 || tail -20 "$OUT/ncu_run_moe.log"
   ncu_report "moe_$tokens"
 fi

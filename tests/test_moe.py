@@ -379,21 +379,26 @@ def test_decode_algorithm_comes_from_the_environment(monkeypatch):
         op.decode_algorithm()
 
 
-# Decode-size inputs only (rows <= 4 E): where "mma_sync" replaces the WGMMA kernel.
-MMA_SYNC_CASES = ([("small", f, t, r) for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
-                   for r in ("random", "dropped", "few_experts")]
-                  + [("small", f, 64, "one_expert") for f in ("fp4", "fp8", "bf16")]
-                  + [("flash", f, t, r) for f in ("fp4", "fp8") for t in (1, 8, 64, 170)
-                     for r in ("random", "one_expert")]
-                  + [("pro", f, t, "random") for f in ("fp4", "fp8") for t in (1, 8, 64)])
+# Decode-size inputs only (rows <= 4 E), where the decode algorithm applies: the default
+# ("mma_sync") on more token counts and routings than GPU_CASES, and the other one
+# ("wgmma": the prefill kernel with 8-row tiles, kept selectable) on fewer.
+DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
+                 for r in ("random", "dropped", "few_experts")]
+                + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
+                + [("flash", f, t, r, "") for f in ("fp4", "fp8") for t in (1, 8, 64, 170)
+                   for r in ("random", "one_expert")]
+                + [("pro", f, t, "random", "") for f in ("fp4", "fp8") for t in (1, 8, 64)]
+                + [("small", f, t, r, "wgmma") for f in ("fp4", "fp8", "bf16") for t in (3, 8)
+                   for r in ("random", "dropped")]
+                + [("flash", f, 8, "random", "wgmma") for f in ("fp4", "fp8")])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dims, fmt, t, routing", MMA_SYNC_CASES)
-def test_mma_sync_decode_kernel_matches_the_reference(monkeypatch, dims, fmt, t, routing):
+@pytest.mark.parametrize("dims, fmt, t, routing, algorithm", DECODE_CASES)
+def test_decode_kernels_match_the_reference(monkeypatch, dims, fmt, t, routing, algorithm):
     e, _, _, k = DIMS[dims]
     rows = t * (1 if routing == "one_expert" else k)
-    assert rows <= 4 * e, "not a decode-size case: the WGMMA kernel would run"
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "mma_sync")
+    assert rows <= 4 * e, "not a decode-size case: the prefill kernel would run"
+    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, algorithm)            # "": the default
     check_implementation("cute", dims, fmt, t, routing)
     check_implementation("cute", dims, fmt, t, routing, simulate=False)
