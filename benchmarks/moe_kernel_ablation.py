@@ -1,7 +1,7 @@
 """Where the MoE kernel's time goes: the gated (w1/w3) launch alone at Flash dims, with
 benchmark-only ablations (no_dequant, no_mma) and stage/tile variants, next to a 1 GiB
 device copy for the achievable HBM bandwidth. Decode sizes also run the warp-level
-"mma_sync" kernel and its ablations (no_load, no_dequant) and stage depths.
+"mma_sync" kernel, all its ablations (``MoeGemmSm90Config.WARP_ABLATIONS``) and stage depths.
 
     source .device/setup.sh && python3 benchmarks/moe_kernel_ablation.py
 """
@@ -36,7 +36,7 @@ def main():
             variants += [dataclasses.replace(base, num_stages=s) for s in (3, 6)]
             warp = ms.choose_config(xa.shape[0], E, "fp4", "mma_sync")
             variants += [warp] + [dataclasses.replace(warp, ablation=a)
-                                  for a in ("no_load", "no_dequant")]
+                                  for a in warp.WARP_ABLATIONS[1:]]
             variants += [dataclasses.replace(warp, num_stages=s) for s in (2, 3, 6)]
         else:
             variants += [dataclasses.replace(base, block_n=64, num_stages=4)]

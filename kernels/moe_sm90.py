@@ -45,12 +45,14 @@ class MoeGemmSm90Config:
     num_stages: int = 8
     algorithm: str = "wgmma"
     # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
-    # weight bytes fetched only for the first stages, "no_dequant", "no_mma"); their
-    # outputs are wrong by design.
+    # weight bytes fetched only for the first stages, "no_dequant", "no_mma"; "mma_sync"
+    # also: "no_token_load" / "no_scale_load" as no_load for the token columns / scale
+    # words, "no_wait": no cp.async wait in the K loop); their outputs are wrong by design.
     ablation: str = ""
 
     ABLATIONS = ("", "no_load", "no_dequant", "no_mma")
-    WARP_ABLATIONS = ("", "no_load", "no_dequant")
+    WARP_ABLATIONS = ("", "no_load", "no_dequant", "no_mma", "no_token_load",
+                      "no_scale_load", "no_wait")
 
     def __post_init__(self):
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -58,18 +60,19 @@ class MoeGemmSm90Config:
                              f"got {self.block_n}")
         if self.num_stages < 2:
             raise ValueError(f"MoeGemmSm90Config: num_stages must be >= 2, got {self.num_stages}")
-        if self.ablation not in self.ABLATIONS:
-            raise ValueError(f"MoeGemmSm90Config: ablation must be one of {self.ABLATIONS}, "
-                             f"got {self.ablation!r}")
+        if self.ablation not in self.ABLATIONS + self.WARP_ABLATIONS:
+            raise ValueError(f"MoeGemmSm90Config: ablation must be one of "
+                             f"{self.ABLATIONS + self.WARP_ABLATIONS[4:]}, got {self.ablation!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"MoeGemmSm90Config: algorithm must be one of {ALGORITHMS}, "
                              f"got {self.algorithm!r}")
         if self.algorithm == "mma_sync" and self.block_n != WARP_TOKENS:
             raise ValueError(f"MoeGemmSm90Config: algorithm 'mma_sync' takes block_n "
                              f"{WARP_TOKENS}, got {self.block_n}")
-        if self.algorithm == "mma_sync" and self.ablation not in self.WARP_ABLATIONS:
-            raise ValueError(f"MoeGemmSm90Config: algorithm 'mma_sync' takes ablation in "
-                             f"{self.WARP_ABLATIONS}, got {self.ablation!r}")
+        allowed = self.WARP_ABLATIONS if self.algorithm == "mma_sync" else self.ABLATIONS
+        if self.ablation not in allowed:
+            raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes ablation "
+                             f"in {allowed}, got {self.ablation!r}")
 
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
         mats = 2 if gated else 1

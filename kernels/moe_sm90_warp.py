@@ -122,7 +122,8 @@ class MoeGemmWarpSm90:
                     self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, x_row, ahead,
                                ring + (ahead % self.num_stages) * self.stage_bytes, lane)
                 cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(self.num_stages - 1)
+                if const_expr(self.ablation != "no_wait"):
+                    cute.arch.cp_async_wait_group(self.num_stages - 1)
                 self.compute(acc, ring + (kb % self.num_stages) * self.stage_bytes, kb,
                              lane)
             cute.arch.cp_async_wait_group(0)
@@ -144,9 +145,12 @@ class MoeGemmWarpSm90:
         tokens_16 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8,
                                         num_bits_per_copy=128)
         word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
-        load = True
-        if const_expr(self.ablation == "no_load"):
-            load = kb < self.num_stages
+        # Ablations: a kind of copy only for the first stages (the ring then holds stale
+        # bytes that are still converted and multiplied).
+        first_stages = kb < self.num_stages
+        load = first_stages if const_expr(self.ablation == "no_load") else True
+        load_scales = first_stages if const_expr(self.ablation == "no_scale_load") else True
+        load_tokens = first_stages if const_expr(self.ablation == "no_token_load") else True
         for mat in cutlass.range_constexpr(self.mats):
             w_base = (mWa if mat == 0 else mWb).iterator.toint()
             s_base = (mSa if mat == 0 else mSb).iterator.toint()
@@ -162,17 +166,20 @@ class MoeGemmWarpSm90:
                 if const_expr(self.weight_format == "fp4"):
                     # The row's 4 scale bytes of this K block; the lane uses byte t.
                     src = s_base + row * (k_in // 32) + kb * 4
-                    copy_bytes(word_4, 4, src, self.scale_slot(stage, q, lane))
+                    if load_scales:
+                        copy_bytes(word_4, 4, src, self.scale_slot(stage, q, lane))
             if const_expr(self.weight_format == "fp8"):
                 # One 128 x 128 scale block for all 16 rows; byte kb % 4 of the word.
                 blk_row = (expert * (n_out // 128) + m_tile // 2).to(Int64)
                 src = s_base + blk_row * (k_in // 128) + (kb // 4) * 4
-                copy_bytes(word_4, 4, src, self.scale_slot(stage, mat, lane))
+                if load_scales:
+                    copy_bytes(word_4, 4, src, self.scale_slot(stage, mat, lane))
         x_base = mX.iterator.toint()
         for i in cutlass.range_constexpr(STEPS):
             col = warp_lane_columns(t, kb, i)
             src = x_base + (x_row.to(Int64) * k_in + col) * 2
-            copy_bytes(tokens_16, 16, src, stage + ((self.w_slots + i) * 32 + lane) * 16)
+            if load_tokens:
+                copy_bytes(tokens_16, 16, src, stage + ((self.w_slots + i) * 32 + lane) * 16)
 
     def scale_slot(self, stage, index, lane):
         return stage + 16 * 32 * (self.w_slots + self.x_slots) + (index * 32 + lane) * 4
@@ -207,7 +214,12 @@ class MoeGemmWarpSm90:
                     a = (pairs[0][2 * h], pairs[1][2 * h], pairs[0][2 * h + 1],
                          pairs[1][2 * h + 1])
                     c = tuple(acc[4 * mat + j] for j in range(4))
-                    d = mma_m16n8k16_bf16(a, (x[2 * h], x[2 * h + 1]), c)
+                    b = (x[2 * h], x[2 * h + 1])
+                    if const_expr(self.ablation == "no_mma"):
+                        # Keeps the operands live at one integer op + one convert per value.
+                        d = [c[j] + (a[j] ^ b[j % 2]).to(Float32) for j in range(4)]
+                    else:
+                        d = mma_m16n8k16_bf16(a, b, c)
                     for j in cutlass.range_constexpr(4):
                         acc[4 * mat + j] = d[j]
 

@@ -1,6 +1,7 @@
 """The Hopper MoE kernels on CPU: the FP4/FP8 -> bf16 bit tricks replayed on every code, the
 on-device expert schedule, shape support, the "mma_sync" kernel's lane/fragment mapping
 replayed in numpy, and compilation for sm_90a (WGMMA / mma.sync in the PTX)."""
+import dataclasses
 import re
 
 import numpy as np
@@ -117,7 +118,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
         assert not supported and words in why, (change, why)
     for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x"),
                 dict(algorithm="simt"), dict(algorithm="mma_sync", block_n=16),
-                dict(algorithm="mma_sync", ablation="no_mma")):
+                dict(algorithm="wgmma", ablation="no_wait")):
         with pytest.raises(ValueError, match="MoeGemmSm90Config"):
             support.MoeGemmSm90Config(**bad)
     for fmt in support.WEIGHT_FORMATS:
@@ -234,7 +235,7 @@ def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
                         *weights, *weights, fake(cutlass.Float32, (a,)), fake(bf16, (a, n)),
                         weight_format=fmt, gated=gated, swiglu_limit=10.0,
                         block_n=config.block_n, num_stages=config.num_stages,
-                        algorithm=config.algorithm)
+                        algorithm=config.algorithm, ablation=config.ablation)
 
 
 MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync")
@@ -271,3 +272,14 @@ def test_compiles_for_sm90a(compiled, variant):
     if conversions:
         assert conversions in ptx
     assert compiled[variant].dump_to_object("moe")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.WARP_ABLATIONS[1:])
+def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
+    """The benchmark-only variants of moe_kernel_ablation.py build for sm_90a, and each
+    leaves out what it names (K of 8 blocks so that copies after the first stages exist)."""
+    config = dataclasses.replace(MMA_SYNC["fp4"], ablation=ablation)
+    ptx = _compile("fp4", True, config, k=1024).artifacts.PTX
+    mma = len(re.findall(r"mma\.sync\.aligned", ptx))
+    assert mma == (0 if ablation == "no_mma" else 16)
+    assert ptx.count("cp.async.wait_group") == (1 if ablation == "no_wait" else 2)
