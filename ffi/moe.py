@@ -460,6 +460,22 @@ def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
 
 
 # ----------------------------------------------------------------------------- dispatch
+def _dispatch(reference_fn, cute_fn, rows, args, weights, implementation, *, swiglu_limit,
+              quantized, simulate):
+    """Run ``reference_fn`` or ``cute_fn`` on ``(*args, *weights)`` as ``implementation``
+    and the kernel's support for ``rows`` (the assignment rows, maybe abstract) decide."""
+    choice = select_implementation("moe", implementation, kernel_support(rows, *weights))
+    reference = functools.partial(reference_fn, swiglu_limit=swiglu_limit,
+                                  quantized=quantized, simulate=simulate)
+    if choice == "xla":
+        return reference(*args, *weights)
+    cute = functools.partial(cute_fn, swiglu_limit=float(swiglu_limit),
+                             simulate=bool(quantized and simulate))
+    if choice == "cute":
+        return cute(*args, *weights)
+    return cute_or_reference(cute, reference, *args, *weights)
+
+
 def moe_expert_rows(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate,
                     implementation=None):
     """``w2(wa * swiglu(w1 xa, w3 xa))`` per assignment row; see the module docstring.
@@ -471,18 +487,11 @@ def moe_expert_rows(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate
     """
     check_moe_args(xa, ea, wa, w1, w3, w2, op="moe_expert_rows")
     _check_ids_in_range(ea, w1[0].shape[0], "moe_expert_rows")
-    choice = select_implementation("moe", implementation, kernel_support(xa, w1, w3, w2))
-    reference = functools.partial(moe_expert_rows_reference, swiglu_limit=swiglu_limit,
-                                  quantized=quantized, simulate=simulate)
-    if choice == "xla":
-        return reference(xa, ea, wa, w1, w3, w2)
     # The kernel must drop ids outside [0, E) itself: expert parallelism sends id -1 for its
     # empty capacity slots, and clamping them would make it compute expert 0 for every one.
-    cute = functools.partial(moe_expert_rows_cute, swiglu_limit=float(swiglu_limit),
-                             simulate=bool(quantized and simulate))
-    if choice == "cute":
-        return cute(xa, ea, wa, w1, w3, w2)
-    return cute_or_reference(cute, reference, xa, ea, wa, w1, w3, w2)
+    return _dispatch(moe_expert_rows_reference, moe_expert_rows_cute, xa, (xa, ea, wa),
+                     (w1, w3, w2), implementation, swiglu_limit=swiglu_limit,
+                     quantized=quantized, simulate=simulate)
 
 
 def moe_experts(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized, simulate,
@@ -494,13 +503,6 @@ def moe_experts(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized, s
     check_moe_args(x, route_idx, route_w, w1, w3, w2, op="moe_experts")
     _check_ids_in_range(route_idx, w1[0].shape[0], "moe_experts")
     rows = jax.ShapeDtypeStruct((route_idx.size, x.shape[1]), x.dtype)
-    choice = select_implementation("moe", implementation, kernel_support(rows, w1, w3, w2))
-    reference = functools.partial(moe_experts_reference, swiglu_limit=swiglu_limit,
-                                  quantized=quantized, simulate=simulate)
-    if choice == "xla":
-        return reference(x, route_idx, route_w, w1, w3, w2)
-    cute = functools.partial(moe_experts_cute, swiglu_limit=float(swiglu_limit),
-                             simulate=bool(quantized and simulate))
-    if choice == "cute":
-        return cute(x, route_idx, route_w, w1, w3, w2)
-    return cute_or_reference(cute, reference, x, route_idx, route_w, w1, w3, w2)
+    return _dispatch(moe_experts_reference, moe_experts_cute, rows, (x, route_idx, route_w),
+                     (w1, w3, w2), implementation, swiglu_limit=swiglu_limit,
+                     quantized=quantized, simulate=simulate)
