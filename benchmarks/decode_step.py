@@ -180,6 +180,16 @@ def profile_table(title, rows, total, step_s):
     return "\n".join(lines)
 
 
+def profile_section(out: list, title: str, once):
+    """Time one ``once()`` (wall), then trace another: its table goes to ``out`` and stdout."""
+    t0 = time.perf_counter()
+    once()
+    step_s = time.perf_counter() - t0
+    rows, total = profile_ops(once)
+    out.append(profile_table(title, rows, total, step_s))
+    print(out[-1], flush=True)
+
+
 # ----------------------------------------------------------------------------- sections
 def run_decode(args, base, params_big, out):
     small, big = args.layers
@@ -213,13 +223,8 @@ def run_decode(args, base, params_big, out):
             def once():
                 logits, state["cache"] = compiled(params, tok, state["cache"])
                 jax.block_until_ready(logits)
-            t0 = time.perf_counter()
-            once()
-            step_s = time.perf_counter() - t0
-            rows, total = profile_ops(once)
-            out.append(profile_table(f"decode step, {impl}, batch {args.profile_batch}, "
-                                     f"L={big}", rows, total, step_s))
-            print(out[-1], flush=True)
+            profile_section(out, f"decode step, {impl}, batch {args.profile_batch}, L={big}",
+                            once)
 
 
 def run_prefill(args, base, params_big, out):
@@ -264,13 +269,7 @@ def run_prefill(args, base, params_big, out):
                 fresh = jax.tree.map(jnp.copy, cache)          # donated each call
                 logits, _ = compiled(params, tokens, fresh)
                 jax.block_until_ready(logits)
-            t0 = time.perf_counter()
-            once()
-            step_s = time.perf_counter() - t0
-            rows, total = profile_ops(once)
-            out.append(profile_table(f"prefill chunk {args.profile_chunk}, {impl}, L={big}",
-                                     rows, total, step_s))
-            print(out[-1], flush=True)
+            profile_section(out, f"prefill chunk {args.profile_chunk}, {impl}, L={big}", once)
 
 
 def parse_args(argv=None):
