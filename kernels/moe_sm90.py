@@ -60,9 +60,6 @@ class MoeGemmSm90Config:
                              f"got {self.block_n}")
         if self.num_stages < 2:
             raise ValueError(f"MoeGemmSm90Config: num_stages must be >= 2, got {self.num_stages}")
-        if self.ablation not in self.ABLATIONS + self.WARP_ABLATIONS:
-            raise ValueError(f"MoeGemmSm90Config: ablation must be one of "
-                             f"{self.ABLATIONS + self.WARP_ABLATIONS[4:]}, got {self.ablation!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"MoeGemmSm90Config: algorithm must be one of {ALGORITHMS}, "
                              f"got {self.algorithm!r}")
