@@ -3,9 +3,13 @@ benchmark-only ablations (no_dequant, no_mma) and stage/tile variants, next to a
 device copy for the achievable HBM bandwidth. Decode sizes also run the warp-level
 "mma_sync" kernel, all its ablations (``MoeGemmSm90Config.WARP_ABLATIONS``) and stage depths.
 
-    source .device/setup.sh && python3 benchmarks/moe_kernel_ablation.py
+    source .device/setup.sh && python3 benchmarks/moe_kernel_ablation.py [TOKENS] [--warp-only]
+
+TOKENS: comma-separated token counts (default 1,8,64,4096); --warp-only: only the
+"mma_sync" variants (decode sizes).
 """
 import dataclasses
+import sys
 
 import numpy as np
 import dsv4_jax  # noqa
@@ -23,17 +27,20 @@ def setup(T, k=6, E=256, d=4096, inter=2048, fmt="fp4", seed=0):
     touched = len(np.unique(np.asarray(idx)))
     return w1, w3, w2, xa, ea, wa, touched
 
-def main():
+def main(token_counts=(1, 8, 64, 4096), warp_only=False):
     x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
     t = bench(lambda: x * 2.0, 10)
     print(f"copy 1 GiB r+w: {2 * x.nbytes / t / 1e9:.0f} GB/s")
-    for T in (1, 8, 64, 4096):
+    for T in token_counts:
         w1, w3, w2, xa, ea, wa, touched = setup(T)
         E = 256
         base = ms.choose_config(xa.shape[0], E, "fp4", "wgmma")
         variants = [base] + [dataclasses.replace(base, ablation=a) for a in ("no_dequant", "no_mma")]
+        if warp_only:
+            variants = []
         if T <= 64:
-            variants += [dataclasses.replace(base, num_stages=s) for s in (3, 6)]
+            if not warp_only:
+                variants += [dataclasses.replace(base, num_stages=s) for s in (3, 6)]
             warp = ms.choose_config(xa.shape[0], E, "fp4", "mma_sync")
             variants += [warp] + [dataclasses.replace(warp, ablation=a)
                                   for a in warp.WARP_ABLATIONS[1:]]
@@ -55,4 +62,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(tuple(int(t) for t in args[0].split(",")) if args else (1, 8, 64, 4096),
+         warp_only="--warp-only" in sys.argv)

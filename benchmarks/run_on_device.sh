@@ -55,7 +55,7 @@ if [[ $what == moe_tests ]]; then
 fi
 if [[ $what == moe_detail ]]; then
   tokens=${1:-8}; alg=${2:-mma_sync}
-  (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py 2>&1 \
+  (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py "$tokens" ${ABLATION_ARGS:---warp-only} 2>&1 \
     | grep -v Warning | tee "$OUT/moe_ablation.log")
   (cd benchmarks && timeout ${TRACE_TIMEOUT:-120} python3 profile_moe.py 1,8,64 "$alg" 2>&1 \
     | grep -v Warning | tee "$OUT/moe_trace.log")

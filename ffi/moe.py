@@ -51,8 +51,9 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.kernels.moe_sm90 import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM, MoeGemmSm90Config,
-                                       choose_config, num_tile_slots)
+from dsv4_jax.kernels.moe_sm90 import (ALGORITHMS, BLOCK_K, DEFAULT_DECODE_ALGORITHM,
+                                       MoeGemmSm90Config, choose_config, num_tile_slots,
+                                       warp_scale_group)
 from .dispatch import cute_or_reference, select_implementation
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
@@ -409,7 +410,8 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
                      block_n=config.block_n, num_stages=config.num_stages,
-                     ablation=config.ablation, algorithm=config.algorithm)
+                     ablation=config.ablation, algorithm=config.algorithm,
+                     scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K))
     return y
 
 

@@ -46,13 +46,13 @@ class MoeGemmSm90Config:
     algorithm: str = "wgmma"
     # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
     # weight bytes fetched only for the first stages, "no_dequant", "no_mma"; "mma_sync"
-    # also: "no_token_load" / "no_scale_load" as no_load for the token columns / scale
-    # words, "no_wait": no cp.async wait in the K loop); their outputs are wrong by design.
+    # also: "no_token_load" / "no_scale_load" as no_load for the token rows / scales);
+    # their outputs are wrong by design.
     ablation: str = ""
 
     ABLATIONS = ("", "no_load", "no_dequant", "no_mma")
     WARP_ABLATIONS = ("", "no_load", "no_dequant", "no_mma", "no_token_load",
-                      "no_scale_load", "no_wait")
+                      "no_scale_load")
 
     def __post_init__(self):
         if self.block_n % 8 or not 8 <= self.block_n <= 256:
@@ -74,7 +74,7 @@ class MoeGemmSm90Config:
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
         mats = 2 if gated else 1
         if self.algorithm == "mma_sync":
-            return WARP_COUNT * self.num_stages * warp_stage_bytes(weight_format, gated)
+            return warp_smem_bytes(weight_format, gated, self.num_stages)
         raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4
         x_tile = self.block_n * BLOCK_K * 2
         dequant = 2 * mats * BLOCK_M * BLOCK_K * 2        # double-buffered bf16 A tiles
@@ -105,24 +105,55 @@ class MoeGemmSm90Config:
 
 
 DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
-# Not yet measured on a GPU (docs/performance.md): opt in through ``config=``.
+# The decode default (DEFAULT_DECODE_ALGORITHM); 4 stages leave several CTAs per SM.
 DECODE_MMA_SYNC_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
 
-def warp_slots(weight_format: str, gated: bool) -> tuple[int, int, int]:
-    """"mma_sync" staging per lane and stage: (16 B weight slots, 16 B token slots, 4 B
-    scale slots). Weights: ``ROW_BYTES / 4`` bytes of each of the lane's two rows per matrix;
-    tokens: 4 x 8 bf16 of token g; scales: one word per row (FP4) or per matrix (FP8)."""
+def warp_weight_slots(weight_format: str, gated: bool) -> int:
+    """"mma_sync": 16-byte weight slots per lane and stage: ``ROW_BYTES / 4`` bytes of each
+    of the lane's two rows (g, g + 8) per matrix (``warp_lane_weight_byte``)."""
     mats = 2 if gated else 1
-    chunks = ROW_BYTES[weight_format] // 4 // 16
-    scales = {"fp4": 2 * mats, "fp8": mats, "bf16": 0}[weight_format]
-    return 2 * mats * chunks, 4, scales
+    return 2 * mats * (ROW_BYTES[weight_format] // 4 // 16)
 
 
-def warp_stage_bytes(weight_format: str, gated: bool) -> int:
-    """Shared memory of one warp's pipeline stage ("mma_sync"): every lane its own slots."""
-    w, x, s = warp_slots(weight_format, gated)
-    return 32 * (16 * (w + x) + 4 * s)
+# "mma_sync": the token rows of one K block (8 rows x 128 bf16), shared by the CTA's warps.
+WARP_TOKEN_STAGE_BYTES = WARP_TOKENS * BLOCK_K * 2
+# "mma_sync": one warp's scale buffer: 16 bytes (4 K blocks of FP4 scales) per weight row of
+# both matrices; FP8 uses one word per matrix of it.
+WARP_SCALE_BUFFER_BYTES = 2 * WARP_ROWS * 16
+
+
+def warp_scale_group(weight_format: str, num_k: int) -> int:
+    """"mma_sync": K blocks whose scales one copy fetches: FP4 rows hold 4 scale bytes per
+    K block, copied 16 bytes (4 K blocks) at a time where the row length allows (8 or 4
+    bytes else, keeping copies aligned); FP8 holds one byte per K block, 4 per word."""
+    if weight_format == "fp8":
+        return 4
+    return 4 if num_k % 4 == 0 else 2 if num_k % 2 == 0 else 1
+
+
+def warp_scale_buffers(num_stages: int, group: int = 1) -> int:
+    """"mma_sync": scale buffers per warp so that the copy of group c + buffers (issued
+    ``num_stages - 1`` K blocks ahead) only starts once group c's last K block was computed:
+    (buffers - 1) * group > num_stages - 2. Shared memory is sized for groups of 1."""
+    return (num_stages - 2) // group + 2
+
+
+def warp_token_unit(row, unit):
+    """"mma_sync": where 16-byte unit ``unit`` (0-15) of token row ``row`` sits in a token
+    stage (row r at 256 r bytes): XOR-swizzled so that the reads of one MMA step -- lane
+    4g + t reads unit 4t + i of row g -- are free of shared-memory bank conflicts (each
+    quarter warp, rows 2a and 2a + 1, hits 8 distinct 16-byte bank groups). Works on ints
+    and on kernel integers alike."""
+    return unit ^ (((unit >> 2) & 2) | (row & 1))
+
+
+def warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
+    """"mma_sync": per CTA, a ring of ``num_stages`` stages (each warp's weight slots + the
+    shared token rows) and every warp's scale buffers."""
+    weights = WARP_COUNT * 32 * 16 * warp_weight_slots(weight_format, gated)
+    return (num_stages * (weights + WARP_TOKEN_STAGE_BYTES)
+            + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
 
 
 def warp_lane_columns(t, kb, step):
@@ -152,13 +183,17 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     Decode tiles run ``decode_algorithm``; prefill tiles always WGMMA.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
-    "mma_sync": as many stages, up to 4, as leave two CTAs per SM."""
+    "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
+    more bytes in flight; 6 vs 4 stages: 39.8 vs 45.0 us for the Flash T = 1 gated launch
+    on an H200), else 4; fewer while two CTAs would not fit in an SM."""
     if decode_algorithm not in ALGORITHMS:
         raise ValueError(f"choose_config: decode_algorithm must be one of {ALGORITHMS}, "
                          f"got {decode_algorithm!r}")
     decode = num_rows <= 4 * num_experts
     if decode and decode_algorithm == "mma_sync":
         config = DECODE_MMA_SYNC_CONFIG
+        if num_rows <= 2 * WARP_TOKENS:
+            config = dataclasses.replace(config, num_stages=6)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -352,14 +352,18 @@ def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.T
                       weight_format: cutlass.Constexpr, gated: cutlass.Constexpr,
                       swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
                       num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = "",
-                      algorithm: cutlass.Constexpr = "wgmma"):
+                      algorithm: cutlass.Constexpr = "wgmma",
+                      scale_group: cutlass.Constexpr = 1):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config); the
-    config's ``algorithm`` picks this module's WGMMA kernel or ``moe_sm90_warp``'s."""
+    config's ``algorithm`` picks this module's WGMMA kernel or ``moe_sm90_warp``'s, which
+    also takes ``scale_group`` (``moe_sm90.warp_scale_group`` of the input features)."""
     config = MoeGemmSm90Config(block_n=block_n, num_stages=num_stages, ablation=ablation,
                                algorithm=algorithm)
-    kernel_class = MoeGemmWarpSm90 if const_expr(algorithm == "mma_sync") else MoeGemmSm90
-    kernel_class(weight_format, gated, swiglu_limit, config)(
-        x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
+    if const_expr(algorithm == "mma_sync"):
+        kernel = MoeGemmWarpSm90(weight_format, gated, swiglu_limit, config, scale_group)
+    else:
+        kernel = MoeGemmSm90(weight_format, gated, swiglu_limit, config)
+    kernel(x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
 
 
 __all__ = ["MoeGemmSm90", "MoeGemmWarpSm90", "MoeGemmSm90Config", "moe_gemm_launcher",

@@ -13,23 +13,33 @@ weights never leave registers: they are the A fragments of warp-level ``mma.sync
 (weights = M, 16 rows per warp; tokens = N = 8), and every warp is independent.
 
 Dataflow (CTA = 4 warps = 64 weight rows of one expert and one tile of <= 8 token rows;
-grid = (output features / 64, tile slots), like the WGMMA kernel):
+grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stages``-deep
+``cp.async`` ring with one CTA barrier per K block of 128 (the sm_80 multistage pattern):
 
-1. Each lane ``4g + t`` streams, per K block of 128, only what it will read itself, by
-   ``cp.async`` into its own shared-memory slots (a ``num_stages``-deep ring per lane, no
-   barriers): of weight rows g and g + 8 (of each matrix) the bytes of columns
-   [32t, 32t + 32) -- one FP4 scale block -- their scale word, and the same columns of
-   token row g (tile rows past the count read the tile's first row; never stored).
-2. ``cp.async.wait_group`` releases the oldest stage; for each of 4 MMA steps the lane
-   converts 8 codes per row to bf16 (FP4 by byte-permute lookup, FP8 by the shift trick,
-   both exact, times the E8M0 scale) and issues 2 ``mma.sync.m16n8k16`` per matrix with
-   f32 accumulators. The K order inside the block is permuted identically for weights and
-   tokens (``moe_sm90.warp_lane_columns``), so the product is unchanged.
+1. Copies, all 16-byte and sector-complete where the format allows (measured on an H200:
+   the old per-lane 4-byte scale and per-warp token copies cost 23 % and 16 % of the time):
+   - weights: lane ``4g + t`` copies, of weight rows g and g + 8 of its warp (each matrix),
+     the bytes of columns [32t, 32t + 32) -- one FP4 scale block -- into its own slots;
+   - tokens: the CTA's 128 threads copy the tile's 8 token rows x 128 columns once, one
+     16-byte unit each, into a stage shared by the warps, XOR-swizzled
+     (``moe_sm90.warp_token_unit``; rows past the tile's count read the tile's first row,
+     never stored);
+   - scales: every ``warp_scale_group`` K blocks, lane q of a warp copies the FP4 scale bytes
+     of its row q (16 rows per matrix) for those K blocks into the warp's scale buffers
+     (FP8: one word per matrix covers 4 K blocks).
+2. Each K block: ``cp.async.wait_group`` (this thread's copies of the oldest stage landed),
+   a CTA barrier (everyone's landed, and everyone is done with the stage the next copy
+   overwrites), the copies of the K block ``num_stages - 1`` ahead, then for each of 4 MMA
+   steps the lane converts 8 codes per row to bf16 (FP4 by byte-permute lookup, FP8 by the
+   shift trick, both exact, times the E8M0 scale) and issues 2 ``mma.sync.m16n8k16`` per
+   matrix with f32 accumulators. The K order inside the block is permuted identically for
+   weights and tokens (``moe_sm90.warp_lane_columns``), so the product is unchanged.
 3. Epilogue from the accumulator fragments: rows g, g + 8 (output features), tokens
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
 
 Constraints: as the WGMMA kernel (K a multiple of 128, output features of 64, FP8 scale
-words of 4 bytes), and block_n = 8.
+words of 4 bytes), block_n = 8, and ``scale_group`` = ``warp_scale_group`` of the input
+features (a launcher argument: K itself is a runtime value).
 """
 from __future__ import annotations
 
@@ -40,8 +50,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .moe_sm90 import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
-                       MoeGemmSm90Config, warp_lane_columns, warp_lane_weight_byte, warp_slots,
-                       warp_stage_bytes)
+                       WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
+                       MoeGemmSm90Config, warp_lane_columns, warp_lane_weight_byte,
+                       warp_scale_buffers, warp_smem_bytes,
+                       warp_token_unit, warp_weight_slots)
 from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
 
@@ -53,7 +65,7 @@ class MoeGemmWarpSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: MoeGemmSm90Config):
+                 config: MoeGemmSm90Config, scale_group: int):
         self.weight_format = weight_format
         self.gated = gated
         self.mats = 2 if gated else 1
@@ -63,8 +75,18 @@ class MoeGemmWarpSm90:
         self.row_bytes = ROW_BYTES[weight_format]
         self.lane_bytes = self.row_bytes // 4          # per row and K block, per lane
         self.chunks = self.lane_bytes // 16            # 16 B cp.async per row
-        self.w_slots, self.x_slots, self.s_slots = warp_slots(weight_format, gated)
-        self.stage_bytes = warp_stage_bytes(weight_format, gated)
+        self.w_slots = warp_weight_slots(weight_format, gated)
+        self.warp_stage_bytes = 32 * 16 * self.w_slots       # one warp's weights per stage
+        # K blocks per scale copy (``warp_scale_group`` of the input features, static: the
+        # kernel's shapes are not) and the buffers that needs, of those allocated.
+        self.scale_group = scale_group
+        self.scale_buffers = warp_scale_buffers(self.num_stages, scale_group)
+        self.max_scale_buffers = warp_scale_buffers(self.num_stages)
+        # Shared memory: [token ring][weight ring: stage-major, then warp][scale buffers].
+        self.weights_offset = self.num_stages * WARP_TOKEN_STAGE_BYTES
+        self.scales_offset = self.weights_offset + self.num_stages * WARP_COUNT * (
+            self.warp_stage_bytes)
+        self.smem_bytes = warp_smem_bytes(weight_format, gated, self.num_stages)
         self.dtype = cutlass.BFloat16
 
     # ------------------------------------------------------------------ host
@@ -73,7 +95,7 @@ class MoeGemmWarpSm90:
                  mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
                  mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor,
                  stream: cuda.CUstream):
-        total = WARP_COUNT * self.num_stages * self.stage_bytes
+        total = self.smem_bytes
 
         @cute.struct
         class SharedStorage:
@@ -98,62 +120,68 @@ class MoeGemmWarpSm90:
             storage = smem.allocate(self.shared_storage)
             warp = cute.arch.make_warp_uniform(tidx // 32)
             lane = tidx % 32
-            ring = (storage.ring.data_ptr().toint()
-                    + warp * (self.num_stages * self.stage_bytes))
+            base = storage.ring.data_ptr().toint()
             row0 = mTileRow0[slot]
             rows = mTileRows[slot]
-            # First weight row (of [E * N]) of this warp's 16, and this lane's token row.
+            # First weight row (of [E * N]) of this warp's 16.
             w_row = expert * mOut.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
-            g = lane // 4
-            x_row = row0 + g
-            if g >= rows:
-                x_row = row0
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
             acc.fill(0.0)
             num_k = mX.shape[1] // BLOCK_K
             for s in cutlass.range_constexpr(self.num_stages - 1):
                 if s < num_k:
-                    self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, x_row, s,
-                               ring + s * self.stage_bytes, lane)
+                    self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows, s,
+                               base, warp, tidx)
                 cute.arch.cp_async_commit_group()
             for kb in cutlass.range(num_k, unroll=1):
+                cute.arch.cp_async_wait_group(self.num_stages - 2)
+                cute.arch.barrier()
                 ahead = kb + self.num_stages - 1
                 if ahead < num_k:
-                    self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, x_row, ahead,
-                               ring + (ahead % self.num_stages) * self.stage_bytes, lane)
+                    self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows,
+                               ahead, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
-                if const_expr(self.ablation != "no_wait"):
-                    cute.arch.cp_async_wait_group(self.num_stages - 1)
-                self.compute(acc, ring + (kb % self.num_stages) * self.stage_bytes, kb,
-                             lane)
+                self.compute(acc, base, kb, warp, lane)
             cute.arch.cp_async_wait_group(0)
             self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
 
+    def token_stage(self, base, kb):
+        return base + (kb % self.num_stages) * WARP_TOKEN_STAGE_BYTES
+
+    def weight_stage(self, base, kb, warp):
+        return (base + self.weights_offset
+                + ((kb % self.num_stages) * WARP_COUNT + warp) * self.warp_stage_bytes)
+
+    def scale_buffer(self, base, kb, warp):
+        return (base + self.scales_offset
+                + (warp * self.max_scale_buffers + (kb // self.scale_group) % self.scale_buffers)
+                * WARP_SCALE_BUFFER_BYTES)
+
     @cute.jit
     def issue(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-              mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32, x_row: Int32,
-              kb: Int32, stage: Int32, lane: Int32):
-        """cp.async of this lane's bytes of K block ``kb`` into its slots of ``stage``."""
+              mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32, row0: Int32,
+              rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
+        """This thread's cp.async copies of K block ``kb`` (see the module docstring)."""
+        lane = tidx % 32
         g, t = lane // 4, lane % 4
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
+        num_k = k_in // BLOCK_K
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
-        weights_16 = cute.make_copy_atom(
+        # 16-byte copies bypass L1 (.cg): nothing is read twice by one SM except tokens, and
+        # those are shared through shared memory now.
+        copy_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
             num_bits_per_copy=128)
-        # Token rows: cached in L1, where the CTA's other warps find them.
-        tokens_16 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8,
-                                        num_bits_per_copy=128)
-        word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
         # Ablations: a kind of copy only for the first stages (the ring then holds stale
         # bytes that are still converted and multiplied).
         first_stages = kb < self.num_stages
         load = first_stages if const_expr(self.ablation == "no_load") else True
         load_scales = first_stages if const_expr(self.ablation == "no_scale_load") else True
         load_tokens = first_stages if const_expr(self.ablation == "no_token_load") else True
+        stage = self.weight_stage(base, kb, warp)
         for mat in cutlass.range_constexpr(self.mats):
             w_base = (mWa if mat == 0 else mWb).iterator.toint()
-            s_base = (mSa if mat == 0 else mSb).iterator.toint()
             for half in cutlass.range_constexpr(2):             # rows g and g + 8
                 row = (w_row + g + 8 * half).to(Int64)
                 q = mat * 2 + half
@@ -162,32 +190,52 @@ class MoeGemmWarpSm90:
                         warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
                     dst = stage + ((q * self.chunks + c) * 32 + lane) * 16
                     if load:
-                        copy_bytes(weights_16, 16, src, dst)
-                if const_expr(self.weight_format == "fp4"):
-                    # The row's 4 scale bytes of this K block; the lane uses byte t.
-                    src = s_base + row * (k_in // 32) + kb * 4
-                    if load_scales:
-                        copy_bytes(word_4, 4, src, self.scale_slot(stage, q, lane))
-            if const_expr(self.weight_format == "fp8"):
-                # One 128 x 128 scale block for all 16 rows; byte kb % 4 of the word.
-                blk_row = (expert * (n_out // 128) + m_tile // 2).to(Int64)
-                src = s_base + blk_row * (k_in // 128) + (kb // 4) * 4
+                        copy_bytes(copy_16, 16, src, dst)
+        # Tokens: thread tidx copies unit tidx % 16 of tile row tidx // 16.
+        r, unit = tidx // 16, tidx % 16
+        x_row = row0 + r
+        if r >= rows:
+            x_row = row0
+        src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
+        dst = self.token_stage(base, kb) + r * (BLOCK_K * 2) + warp_token_unit(r, unit) * 16
+        if load_tokens:
+            copy_bytes(copy_16, 16, src, dst)
+        if const_expr(self.weight_format != "bf16"):
+            if kb % self.scale_group == 0:
                 if load_scales:
-                    copy_bytes(word_4, 4, src, self.scale_slot(stage, mat, lane))
-        x_base = mX.iterator.toint()
-        for i in cutlass.range_constexpr(STEPS):
-            col = warp_lane_columns(t, kb, i)
-            src = x_base + (x_row.to(Int64) * k_in + col) * 2
-            if load_tokens:
-                copy_bytes(tokens_16, 16, src, stage + ((self.w_slots + i) * 32 + lane) * 16)
-
-    def scale_slot(self, stage, index, lane):
-        return stage + 16 * 32 * (self.w_slots + self.x_slots) + (index * 32 + lane) * 4
+                    self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
+                                      self.scale_buffer(base, kb, warp), lane)
 
     @cute.jit
-    def compute(self, acc: cute.Tensor, stage: Int32, kb: Int32, lane: Int32):
-        """Convert this lane's weight bytes of one stage and run its 8 MMAs per matrix."""
-        t = lane % 4
+    def issue_scales(self, mSa: cute.Tensor, mSb: cute.Tensor, n_out: Int32, expert: Int32,
+                     m_tile: Int32, w_row: Int32, kb: Int32, num_k: Int32, buffer: Int32,
+                     lane: Int32):
+        """Scales of the group of K blocks starting at ``kb``: FP4, lane q its row q % 16 of
+        matrix q // 16 (4 bytes per K block); FP8, lane ``mat`` the matrix's word."""
+        nbytes = 4 * self.scale_group if const_expr(self.weight_format == "fp4") else 4
+        atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL)
+            if const_expr(nbytes == 16) else cpasync.CopyG2SOp(), cutlass.Uint8,
+            num_bits_per_copy=8 * nbytes)
+        mat = lane // WARP_ROWS
+        if mat < self.mats:
+            s_base = (mSa if mat == 0 else mSb).iterator.toint()
+            if const_expr(self.weight_format == "fp4"):
+                row = (w_row + lane % WARP_ROWS).to(Int64)
+                copy_bytes(atom, nbytes, s_base + row * (num_k * 4) + kb * 4,
+                           buffer + lane * 16)
+            elif lane % WARP_ROWS == 0:
+                # One 128 x 128 scale block for all 16 rows; byte kb % 4 of the word.
+                blk_row = (expert * (n_out // 128) + m_tile // 2).to(Int64)
+                copy_bytes(atom, 4, s_base + blk_row * num_k + kb, buffer + mat * 4)
+
+    @cute.jit
+    def compute(self, acc: cute.Tensor, base: Int32, kb: Int32, warp: Int32, lane: Int32):
+        """Convert this lane's weight bytes of K block ``kb`` and run its 8 MMAs per matrix."""
+        g, t = lane // 4, lane % 4
+        stage = self.weight_stage(base, kb, warp)
+        scales = self.scale_buffer(base, kb, warp)
+        in_group = kb % self.scale_group
         words = []            # per (matrix, row half): the lane's weight words
         mults = []            # per (matrix, row half): bf16x2 scale multiplier
         for mat in cutlass.range_constexpr(self.mats):
@@ -199,13 +247,17 @@ class MoeGemmWarpSm90:
                     row_words += [vec[j] for j in range(4)]
                 words.append(row_words)
                 if const_expr(self.weight_format == "fp4"):
-                    scale = _load_word(self.scale_slot(stage, q, lane))
+                    # Row g + 8 half of matrix mat: its scale bytes of this K block.
+                    scale = _load_word(scales + (mat * WARP_ROWS + g + 8 * half) * 16
+                                       + in_group * 4)
                     mults.append(e8m0_bf16x2((scale >> (8 * t)) & 0xFF))
                 elif const_expr(self.weight_format == "fp8"):
-                    scale = _load_word(self.scale_slot(stage, mat, lane))
-                    mults.append(e8m0_bf16x2((scale >> (8 * (kb % 4))) & 0xFF))
+                    scale = _load_word(scales + mat * 4)
+                    mults.append(e8m0_bf16x2((scale >> (8 * in_group)) & 0xFF))
+        tokens = self.token_stage(base, kb)
         for i in cutlass.range_constexpr(STEPS):
-            x = _load_words(stage + ((self.w_slots + i) * 32 + lane) * 16)
+            # Columns 32t + 8i .. + 7 of token row g: unit 4t + i of the row.
+            x = _load_words(tokens + g * (BLOCK_K * 2) + warp_token_unit(g, 4 * t + i) * 16)
             for mat in cutlass.range_constexpr(self.mats):
                 # (c0 c1, c2 c3, c4 c5, c6 c7) of rows g and g + 8: bf16 pairs.
                 pairs = [self.codes_to_bf16(words[mat * 2 + half], mults, mat * 2 + half, i)

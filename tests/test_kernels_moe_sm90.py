@@ -118,7 +118,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
         assert not supported and words in why, (change, why)
     for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x"),
                 dict(algorithm="simt"), dict(algorithm="mma_sync", block_n=16),
-                dict(algorithm="wgmma", ablation="no_wait")):
+                dict(algorithm="wgmma", ablation="no_token_load")):
         with pytest.raises(ValueError, match="MoeGemmSm90Config"):
             support.MoeGemmSm90Config(**bad)
     for fmt in support.WEIGHT_FORMATS:
@@ -170,8 +170,8 @@ def _staged_values(fmt, row_bytes_fn, scale_fn, lane, kb):
 @pytest.mark.parametrize("fmt", support.WEIGHT_FORMATS)
 def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
     """Replays one warp of ``moe_sm90_warp`` in numpy over 3 K blocks: the bytes each lane
-    stages (``warp_lane_weight_byte``), the token columns it stages
-    (``warp_lane_columns``), the converters' code order, the kernel's MMA operand
+    stages (``warp_lane_weight_byte``), the token stage the CTA writes and the units each
+    lane reads of it (``warp_token_unit``, ``warp_lane_columns``), the converters' code order, the kernel's MMA operand
     assembly and the PTX fragment semantics. Their product must be W x^T."""
     rng = np.random.default_rng(7)
     k = 3 * support.BLOCK_K
@@ -198,6 +198,12 @@ def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
         scale_of = lambda r: (lambda j: 1.0)                              # noqa: E731
     acc = [[0.0] * 4 for _ in range(32)]
     for kb in range(k // support.BLOCK_K):
+        # The CTA's token stage: thread tidx copies unit tidx % 16 of row tidx // 16.
+        stage = np.full((8, 16, 8), np.nan)
+        for tidx in range(128):
+            r, unit = divmod(tidx, 16)
+            c0 = kb * support.BLOCK_K + 8 * unit
+            stage[r, support.warp_token_unit(r, unit)] = x[r, c0:c0 + 8]
         rows = {lane: [_staged_values(fmt, lambda r=lane // 4 + 8 * half: row_bytes(r),
                                       scale_of(lane // 4 + 8 * half), lane, kb)
                        for half in range(2)] for lane in range(32)}
@@ -210,8 +216,11 @@ def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
                     # kernel: a = (pairs_g[2h], pairs_g8[2h], pairs_g[2h+1], pairs_g8[2h+1])
                     a.append([*g_row[4 * h:4 * h + 2], *g8_row[4 * h:4 * h + 2],
                               *g_row[4 * h + 2:4 * h + 4], *g8_row[4 * h + 2:4 * h + 4]])
-                    # kernel: b = (x[2h], x[2h+1]) of the 4 words (8 bf16) staged for step
-                    xs = x[lane // 4, cols[lane]:cols[lane] + 8]
+                    # kernel: b = (x[2h], x[2h+1]) of the 4 words (8 bf16) it reads for
+                    # the step: unit 4t + step of token row g, which must hold its columns
+                    g, t = divmod(lane, 4)
+                    xs = stage[g, support.warp_token_unit(g, 4 * t + step)]
+                    np.testing.assert_array_equal(xs, x[g, cols[lane]:cols[lane] + 8])
                     b.append(list(xs[4 * h:4 * h + 4]))
                 acc = _mma_m16n8k16(a, b, acc)
     got = np.zeros((16, 8))
@@ -222,20 +231,71 @@ def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
     np.testing.assert_allclose(got, w @ x.T.astype(np.float64), rtol=1e-9, atol=1e-9)
 
 
+def test_mma_sync_token_swizzle_is_a_conflict_free_permutation():
+    """Each token row's 16 units land on 16 distinct slots of its 256 bytes (what 128
+    threads write is what the lanes read back), and each quarter warp's 16-byte reads of an
+    MMA step (lanes 4g + t, g in {2a, 2a + 1}, unit 4t + i of row g) hit 8 distinct bank
+    groups (shared memory serves 128 bytes per wavefront)."""
+    rows = range(support.WARP_TOKENS)
+    for r in rows:
+        assert sorted(support.warp_token_unit(r, u) for u in range(16)) == list(range(16))
+    for step in range(4):
+        for quarter in range(4):
+            lanes = range(8 * quarter, 8 * quarter + 8)
+            addresses = [(lane // 4) * 256 + 16 * support.warp_token_unit(
+                lane // 4, 4 * (lane % 4) + step) for lane in lanes]
+            assert len({a // 16 % 8 for a in addresses}) == 8, (step, quarter, addresses)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("num_k", [1, 3, 4, 6, 32])
+def test_mma_sync_scale_buffers_outlive_their_k_blocks(num_stages, num_k):
+    """Replays the K loop's order of events: the copy of K block kb + stages - 1 is issued
+    after the barrier of K block kb; a scale group's copy must not land in a buffer whose
+    previous group still has K blocks to compute."""
+    for fmt in ("fp4", "fp8"):
+        if fmt == "fp8" and num_k % 4:
+            continue
+        group = support.warp_scale_group(fmt, num_k)
+        buffers = support.warp_scale_buffers(num_stages, group)
+        assert num_k % group == 0 and buffers <= support.warp_scale_buffers(num_stages)
+        holder = {}                                # buffer -> group copied into it
+
+        def issue(block, computed_until):          # K blocks < computed_until are done
+            if block < num_k and block % group == 0:
+                buf = block // group % buffers
+                if buf in holder:
+                    assert (holder[buf] + 1) * group <= computed_until, (fmt, block, holder)
+                holder[buf] = block // group
+        for s in range(num_stages - 1):            # prologue
+            issue(s, 0)
+        for kb in range(num_k):
+            issue(kb + num_stages - 1, kb)
+            assert holder[kb // group % buffers] == kb // group    # compute(kb) reads it
+
+
 def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
+    """Compile as ``cutlass_call`` does on the device: every extent a runtime value (only the
+    divisibilities the JAX side guarantees are known), the launcher's static arguments."""
     def fake(dtype, shape):
         return make_fake_compact_tensor(dtype, shape, assumed_align=16)
+
+    def dyn(extent):
+        div = next(d for d in (16, 8, 4, 2, 1) if extent % d == 0)
+        return cute.sym_int(divisibility=div)
     u8, bf16, i32 = cutlass.Uint8, cutlass.BFloat16, cutlass.Int32
-    weights = {"fp4": (fake(u8, (e, n, k // 2)), fake(u8, (e, n, k // 32))),
-               "fp8": (fake(u8, (e, n, k)), fake(u8, (e, n // 128, k // 128))),
-               "bf16": (fake(bf16, (e, n, k)), fake(u8, (4,)))}[fmt]
-    slots = support.num_tile_slots(a, e, config.block_n)
-    return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), fake(bf16, (a, k)),
+    a_, k_, n_, e_ = dyn(a), dyn(k), dyn(n), dyn(e)
+    weights = {"fp4": (fake(u8, (e_, n_, dyn(k // 2))), fake(u8, (e_, n_, dyn(k // 32)))),
+               "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
+               "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
+    slots = dyn(support.num_tile_slots(a, e, config.block_n))
+    return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), fake(bf16, (a_, k_)),
                         fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
-                        *weights, *weights, fake(cutlass.Float32, (a,)), fake(bf16, (a, n)),
+                        *weights, *weights, fake(cutlass.Float32, (a_,)), fake(bf16, (a_, n_)),
                         weight_format=fmt, gated=gated, swiglu_limit=10.0,
                         block_n=config.block_n, num_stages=config.num_stages,
-                        algorithm=config.algorithm, ablation=config.ablation)
+                        algorithm=config.algorithm, ablation=config.ablation,
+                        scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K))
 
 
 MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync")
@@ -264,14 +324,30 @@ def test_compiles_for_sm90a(compiled, variant):
         assert "cp.async" in ptx and "mbarrier" in ptx
     else:
         mma = re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16", ptx)
-        # A lane-private ring: cp.async groups, no barriers, no WGMMA.
+        # A cp.async ring behind one CTA barrier per K block: no mbarriers, no WGMMA, and
+        # only 16-byte copies that bypass L1 (FP4 scale rows of 16 bytes at this K).
         assert "cp.async.wait_group" in ptx and "cp.async.commit_group" in ptx
-        assert "wgmma" not in ptx and "bar.sync" not in ptx and "mbarrier" not in ptx
+        assert ptx.count("bar.sync") == 1
+        assert "wgmma" not in ptx and "mbarrier" not in ptx
+        copies = re.findall(r"cp\.async\.(c[ag])\.shared\.global(?:\.\S+)? \[[^]]+\], "
+                            r"\[[^]]+\], (\d+)", ptx)
+        assert copies and all(kind == "cg" and size == "16" for kind, size in copies
+                              if fmt != "fp8"), copies
     assert len(mma) == 8 * (2 if gated else 1)
     conversions = {"fp4": "prmt.b32", "fp8": "mul.rn.bf16x2", "bf16": None}[fmt]
     if conversions:
         assert conversions in ptx
     assert compiled[variant].dump_to_object("moe")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("k,group", [(384, 1), (768, 2)])
+def test_mma_sync_short_fp4_scale_rows_use_aligned_small_copies(k, group):
+    """FP4 scale rows of 4 * K/128 bytes that 16-byte copies would misalign: the scales of
+    1 or 2 K blocks per copy (4 or 8 bytes through L1), everything else still 16 bytes."""
+    assert support.warp_scale_group("fp4", k // support.BLOCK_K) == group
+    ptx = _compile("fp4", False, MMA_SYNC["fp4"], k=k).artifacts.PTX
+    sizes = re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], (\d+)", ptx)
+    assert sizes and set(sizes) == {str(4 * group)}, sizes
 
 
 @pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.WARP_ABLATIONS[1:])
@@ -282,4 +358,4 @@ def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
     ptx = _compile("fp4", True, config, k=1024).artifacts.PTX
     mma = len(re.findall(r"mma\.sync\.aligned", ptx))
     assert mma == (0 if ablation == "no_mma" else 16)
-    assert ptx.count("cp.async.wait_group") == (1 if ablation == "no_wait" else 2)
+    assert ptx.count("cp.async.wait_group") == 2
