@@ -5,9 +5,10 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe    # MoE: both algorithms
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_detail 8 mma_sync
 #       (gated-launch ablations, device-op traces of the op, Nsight Compute of one launch)
-#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests general|decode
-#       (the MoE op's GPU tests in two halves of ~5 min each, one process: several
-#        processes on one GPU ran out of its memory at Pro dims)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests general|decode [K]
+#       (the MoE op's GPU tests in two halves, one process: several processes on one GPU ran
+#        out of its memory at Pro dims; the decode half takes more than 10 min, so narrow it
+#        with a pytest -k expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -49,6 +50,7 @@ ncu_report() {  # $1: report name under $OUT; details, source-level stall table
 if [[ $what == moe_tests ]]; then
   part=${1:-general}
   select=$([[ $part == decode ]] && echo "decode_kernels" || echo "not decode_kernels")
+  [[ -n ${2:-} ]] && select="$select and ($2)"   # e.g. "flash and not wgmma"
   timeout ${TEST_TIMEOUT:-540} python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 \
     -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
     | tee "$OUT/moe_gpu_tests_$part.log" | tail -30
@@ -62,7 +64,8 @@ if [[ $what == moe_detail ]]; then
   # Only the sections needed, application replay: --set full with kernel replay crashed
   # the process (2026-11-23), and the launch reads GBs of weights that replay would save.
   XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-150} "$ncu" \
-    --clock-control none --replay-mode application --section SpeedOfLight \
+    --clock-control none --replay-mode application --app-replay-match grid \
+    --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section Occupancy \
     --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats \
     -k regex:MoeGemm --launch-skip 2 --launch-count 1 -f -o "$OUT/moe_$tokens" \
