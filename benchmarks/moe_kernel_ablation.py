@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import dsv4_jax  # noqa
 import jax, jax.numpy as jnp
-from moe_kernel_check import make_w, bench, LIMIT
+from moe_kernel_check import make_w, bench, launch, LIMIT
 from dsv4_jax.ffi import moe as ms
 
 def setup(T, k=6, E=256, d=4096, inter=2048, fmt="fp4", seed=0):
@@ -45,13 +45,15 @@ def main(token_counts=(1, 8, 64, 4096), warp_only=False):
             variants += [warp] + [dataclasses.replace(warp, ablation=a)
                                   for a in warp.WARP_ABLATIONS[1:]]
             variants += [dataclasses.replace(warp, num_stages=s) for s in (2, 3, 6)]
+            variants += [dataclasses.replace(warp, algorithm="mma_fp8", num_stages=s)
+                         for s in (3, 4, 6)]
         else:
             variants += [dataclasses.replace(base, block_n=64, num_stages=4)]
         per_exp_up = (w1[0][0].nbytes + w1[1][0].nbytes) * 2
         for cfg in variants:
             order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
             xs = xa[order]; rws = wa[order]
-            g1 = jax.jit(lambda xs, sched, w1, w3, rws: ms.grouped_gemm_sm90(xs, sched, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT, config=cfg))
+            g1 = jax.jit(lambda xs, sched, w1, w3, rws: launch(xs, sched, *w1, cfg, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT))
             try:
                 t1 = bench(lambda: g1(xs, (order, *tiles), w1, w3, rws))
             except Exception as e:

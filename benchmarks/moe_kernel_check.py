@@ -2,6 +2,7 @@
 
     source .device/setup.sh && python3 benchmarks/moe_kernel_check.py
     source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_sync python3 benchmarks/moe_kernel_check.py
+    source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_fp8 python3 benchmarks/moe_kernel_check.py
 
 * exact decode: one-hot token rows read every weight back through the kernel (FP4, FP8,
   BF16 weights, scales over 2^-37..2^32): must equal the dequantised weights bit for bit;
@@ -67,6 +68,14 @@ def bench(fn, n=30):
         res.append((time.perf_counter() - t0) / n)
     return float(np.median(res))
 
+def launch(xs, sched, w, s, cfg, **kw):
+    """``grouped_gemm_sm90`` on bf16 rows; "mma_fp8" takes them FP8-quantised (exact for the
+    one-hot rows of ``check_decode_exact``, the simulation's numerics elsewhere)."""
+    if cfg.algorithm == "mma_fp8":
+        codes, scales = quant.act_quant(xs)
+        return ms.grouped_gemm_sm90(codes, sched, w, s, x_scale=scales, config=cfg, **kw)
+    return ms.grouped_gemm_sm90(xs, sched, w, s, config=cfg, **kw)
+
 def check_decode_exact(fmt, decode_tiles):
     """One-hot rows read the dequantised weights back through the kernel: must be exact.
     ``decode_tiles``: the decode config (``DSV4_MOE_ALGORITHM``) instead of the prefill one."""
@@ -77,7 +86,7 @@ def check_decode_exact(fmt, decode_tiles):
     xs = jnp.tile(jnp.eye(K, dtype=jnp.bfloat16), (3, 1))
     cfg = ms.choose_config(E if decode_tiles else A, E, fmt, ms.decode_algorithm())
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
-    y = ms.grouped_gemm_sm90(xs[order], (order, *tiles), w, s, config=cfg)
+    y = launch(xs[order], (order, *tiles), w, s, cfg)
     y = jnp.zeros_like(y).at[order].set(y)
     ref = deq(w, s, fmt)                    # [E, N, K]; row (e, k) of y = ref[e, :, k]
     want = jnp.transpose(ref, (0, 2, 1)).reshape(A, N)
@@ -105,12 +114,12 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
     # timing
     for _ in range(3): f(xa, ea, wa, w1, w3, w2).block_until_ready()
     t = bench(lambda: f(xa, ea, wa, w1, w3, w2))
-    cfg = ms.choose_config(xa.shape[0], E, fmt, ms.decode_algorithm())
+    cfg = ms.choose_config(xa.shape[0], E, fmt, ms.decode_algorithm(), fp8_activations=simulate)
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
     xs = xa[order]; rws = wa[order]
-    g1 = jax.jit(lambda xs, sched, w1, w3, rws: ms.grouped_gemm_sm90(xs, sched, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT, config=cfg))
+    g1 = jax.jit(lambda xs, sched, w1, w3, rws: launch(xs, sched, *w1, cfg, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT))
     hs = g1(xs, (order, *tiles), w1, w3, rws)
-    g2 = jax.jit(lambda hs, sched, w2: ms.grouped_gemm_sm90(hs, sched, *w2, config=cfg))
+    g2 = jax.jit(lambda hs, sched, w2: launch(hs, sched, *w2, cfg))
     t1 = bench(lambda: g1(xs, (order, *tiles), w1, w3, rws))
     t2 = bench(lambda: g2(hs, (order, *tiles), w2))
 

@@ -2,7 +2,7 @@
 the gated (w1/w3) launch alone and the whole op ``moe_experts`` (schedule, activation
 quantisation, gathers, both launches, the sum into tokens), for each token count.
 
-    source .device/setup.sh && python3 benchmarks/profile_moe.py 1,8,64 [mma_sync | wgmma]
+    source .device/setup.sh && python3 benchmarks/profile_moe.py 1,8,64 [mma_sync|mma_fp8|wgmma]
 
 Or, for Nsight Compute, the gated launch alone (``ncu ... -k regex:MoeGemm``):
 
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_step import profile_ops  # noqa: E402
 from moe_kernel_ablation import setup  # noqa: E402
-from moe_kernel_check import LIMIT  # noqa: E402
+from moe_kernel_check import LIMIT, launch  # noqa: E402
 
 from dsv4_jax.ffi import moe as ms  # noqa: E402
 
@@ -38,9 +38,9 @@ def main():
         config = ms.choose_config(xa.shape[0], experts, "fp4", algorithm)
         order, _, *tiles = ms.moe_schedule(ea, experts, config.block_n)
         # Weights are arguments, not constants folded into the program.
-        up = jax.jit(lambda xs, schedule, rw, w1, w3: ms.grouped_gemm_sm90(
-            xs, schedule, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
-            swiglu_limit=LIMIT, config=config))
+        up = jax.jit(lambda xs, schedule, rw, w1, w3: launch(
+            xs, schedule, *w1, config, weight_b=w3[0], scale_b=w3[1], route_w=rw,
+            swiglu_limit=LIMIT))
         args = (xa[order], (order, *tiles), wa[order], w1, w3)
         if "--launch-only" in sys.argv:
             for _ in range(4):

@@ -31,7 +31,7 @@ fi
 if [[ $what == moe ]]; then
   # Exactness and timings of both decode algorithms, then the op benchmark (GPU tests:
   # the moe_tests mode); each step bounded so that one device call finishes them all.
-  for alg in wgmma mma_sync; do
+  for alg in ${MOE_ALGORITHMS:-wgmma mma_sync mma_fp8}; do
     DSV4_MOE_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py \
       2>&1 | grep -v Warning | tee "$OUT/moe_check_$alg.log"
   done

@@ -63,7 +63,9 @@ __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # Kernel for decode-size inputs: "mma_sync" (default: warp-level MMAs on weights dequantised
-# in registers) or "wgmma" (the prefill kernel with 8-row tiles). Read at trace time.
+# in registers), "mma_fp8" (the same on FP8 tensor cores, FP4/FP8 weights with the FP8
+# simulation; not yet measured) or "wgmma" (the prefill kernel with 8-row tiles). Read at
+# trace time.
 ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
 _ACT_DTYPES = (jnp.bfloat16, jnp.float32)
 _PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -389,11 +391,12 @@ def _as_bytes(weight, scale):
 
 
 def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=None,
-                      route_w=None, swiglu_limit: float = 0.0,
+                      route_w=None, swiglu_limit: float = 0.0, x_scale=None,
                       config: MoeGemmSm90Config) -> jax.Array:
     """One launch: sorted rows ``xs`` [A, K] bf16 times their experts' ``weight`` [E, N, .]
     -> [A, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue). Rows
-    outside every tile are left unwritten."""
+    outside every tile are left unwritten. Algorithm "mma_fp8": ``xs`` are e4m3 codes and
+    ``x_scale`` [A, K / 128] f32 their scales (``quant.act_quant``)."""
     # Imported when a kernel is emitted, so that the reference path never loads cutlass;
     # cute_call first: it pins CUTE_DSL_ARCH before cutlass is imported.
     from .cute_call import cute_call
@@ -405,9 +408,19 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
     w_a, s_a = _as_bytes(weight, scale)
     w_b, s_b = _as_bytes(weight_b, scale_b) if gated else (w_a, s_a)
     rw = route_w.astype(jnp.float32) if gated else jnp.zeros((1,), jnp.float32)
+    fp8_x = config.algorithm == "mma_fp8"
+    if fp8_x != (x_scale is not None) or fp8_x != (xs.dtype == jnp.float8_e4m3fn):
+        raise ValueError(f"grouped_gemm_sm90: algorithm {config.algorithm!r} with xs "
+                         f"{xs.dtype} and x_scale {None if x_scale is None else x_scale.shape}"
+                         f" (e4m3 codes + scales for 'mma_fp8' only)")
+    if fp8_x:
+        xs = jax.lax.bitcast_convert_type(xs, jnp.uint8)
+        x_scale = x_scale.astype(jnp.float32)
+    else:
+        x_scale = jnp.zeros((1,), jnp.float32)
     out = jax.ShapeDtypeStruct((xs.shape[0], weight.shape[1]), jnp.bfloat16)
     (y,) = cute_call(kernel.moe_gemm_launcher, (out,), xs, tile_expert, tile_row0,
-                     tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
+                     tile_rows, w_a, s_a, w_b, s_b, rw, x_scale, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
                      block_n=config.block_n, num_stages=config.num_stages,
                      ablation=config.ablation, algorithm=config.algorithm,
@@ -421,19 +434,28 @@ def _sorted_rows_cute(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simula
     rows' outputs ``[A, d]`` bf16 (rows of dropped ids are zero)."""
     num_experts = w1[0].shape[0]
     config = config or choose_config(ea.shape[0], num_experts, _kernel_weight_format(*w1),
-                                     decode_algorithm())
+                                     decode_algorithm(), fp8_activations=simulate)
     order, valid_sorted, *tiles = moe_schedule(ea, num_experts, config.block_n)
     schedule = (order, *tiles)
-    # The FP8 simulation quantises each row on its own, so it commutes with the gather:
-    # quantise the (fewer) source rows, then gather.
-    xq = quant.act_quant_dequant(x).astype(jnp.bfloat16) if simulate else x
     rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
     rows = order if source_row is None else source_row[order]
-    h = grouped_gemm_sm90(xq[rows], schedule, *w1, weight_b=w3[0], scale_b=w3[1],
-                          route_w=rw, swiglu_limit=swiglu_limit, config=config)
-    if simulate:
-        h = quant.act_quant_dequant(h).astype(jnp.bfloat16)
-    ys = grouped_gemm_sm90(h, schedule, *w2, config=config)
+    # The FP8 simulation quantises each row on its own, so it commutes with the gather:
+    # quantise the (fewer) source rows, then gather. "mma_fp8" takes the e4m3 codes and
+    # scales themselves, the other kernels their exact bf16 products.
+    if config.algorithm == "mma_fp8":
+        codes, scales = quant.act_quant(x)
+        h = grouped_gemm_sm90(codes[rows], schedule, *w1, weight_b=w3[0], scale_b=w3[1],
+                              route_w=rw, swiglu_limit=swiglu_limit, x_scale=scales[rows],
+                              config=config)
+        codes, scales = quant.act_quant(h)
+        ys = grouped_gemm_sm90(codes, schedule, *w2, x_scale=scales, config=config)
+    else:
+        xq = quant.act_quant_dequant(x).astype(jnp.bfloat16) if simulate else x
+        h = grouped_gemm_sm90(xq[rows], schedule, *w1, weight_b=w3[0], scale_b=w3[1],
+                              route_w=rw, swiglu_limit=swiglu_limit, config=config)
+        if simulate:
+            h = quant.act_quant_dequant(h).astype(jnp.bfloat16)
+        ys = grouped_gemm_sm90(h, schedule, *w2, config=config)
     return order, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
 
 

@@ -1,9 +1,11 @@
 """Limits, configurations and launch sizes of the MoE kernels; no cutlass.
 
-Two algorithms compute the same grouped expert GEMM (same launcher, same outputs):
+Three algorithms compute the same grouped expert GEMM (same launcher, same outputs):
 ``"wgmma"`` (``moe_sm90_kernel``: a cp.async producer warpgroup, weights dequantised into
-shared memory, WGMMA) and ``"mma_sync"`` (``moe_sm90_warp``: every warp streams its own 16
-weight rows, dequantises them in registers and runs warp-level MMAs -- for decode tiles).
+shared memory, WGMMA), ``"mma_sync"`` (``moe_sm90_warp``: every warp streams its own 16
+weight rows, dequantises them in registers and runs warp-level bf16 MMAs -- for decode
+tiles) and ``"mma_fp8"`` (``moe_sm90_warp_fp8``: as ``mma_sync`` on FP8 tensor cores, for
+FP4/FP8 weights with the FP8 activation simulation -- decode tiles, not yet measured).
 
 The JAX side consults ``MoeGemmSm90Config.is_supported`` before it imports CuTe DSL at all.
 """
@@ -18,7 +20,8 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
-ALGORITHMS = ("wgmma", "mma_sync")
+ALGORITHMS = ("wgmma", "mma_sync", "mma_fp8")
+WARP_ALGORITHMS = ("mma_sync", "mma_fp8")
 # "mma_sync": 4 warps per CTA, 16 weight rows each (the MMA's M); lane 4g + t holds rows g
 # and g + 8 and, of every K block of 128, the 32 columns [32t, 32t + 32) (one FP4 scale
 # block), 8 per MMA step i: columns 32t + 8i .. 32t + 8i + 7 (``warp_lane_columns``).
@@ -63,10 +66,11 @@ class MoeGemmSm90Config:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"MoeGemmSm90Config: algorithm must be one of {ALGORITHMS}, "
                              f"got {self.algorithm!r}")
-        if self.algorithm == "mma_sync" and self.block_n != WARP_TOKENS:
-            raise ValueError(f"MoeGemmSm90Config: algorithm 'mma_sync' takes block_n "
+        if self.algorithm in WARP_ALGORITHMS and self.block_n != WARP_TOKENS:
+            raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes block_n "
                              f"{WARP_TOKENS}, got {self.block_n}")
-        allowed = self.WARP_ABLATIONS if self.algorithm == "mma_sync" else self.ABLATIONS
+        allowed = {"mma_sync": self.WARP_ABLATIONS, "mma_fp8": ("",)}.get(self.algorithm,
+                                                                        self.ABLATIONS)
         if self.ablation not in allowed:
             raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes ablation "
                              f"in {allowed}, got {self.ablation!r}")
@@ -75,6 +79,8 @@ class MoeGemmSm90Config:
         mats = 2 if gated else 1
         if self.algorithm == "mma_sync":
             return warp_smem_bytes(weight_format, gated, self.num_stages)
+        if self.algorithm == "mma_fp8":
+            return fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
         raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4
         x_tile = self.block_n * BLOCK_K * 2
         dequant = 2 * mats * BLOCK_M * BLOCK_K * 2        # double-buffered bf16 A tiles
@@ -87,6 +93,8 @@ class MoeGemmSm90Config:
             return False, f"weight format {weight_format!r} (one of {WEIGHT_FORMATS})"
         if x_dtype != "bfloat16":
             return False, f"activation dtype {x_dtype} (the kernel is bf16 only)"
+        if self.algorithm == "mma_fp8" and weight_format == "bf16":
+            return False, "weight format 'bf16' (algorithm 'mma_fp8' takes fp4/fp8)"
         if self.block_n % 8 or not 8 <= self.block_n <= (128 if gated else 256):
             return False, f"block_n {self.block_n} (a multiple of 8, <= {128 if gated else 256})"
         if n_out % BLOCK_M:
@@ -156,6 +164,33 @@ def warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
             + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
 
 
+# "mma_fp8": the tile's token rows of one K block as e4m3 codes (8 rows x 128 bytes), then
+# their f32 scales (one per row: the K block is the activation's 1 x 128 quantisation block).
+FP8_TOKEN_STAGE_BYTES = WARP_TOKENS * BLOCK_K + WARP_TOKENS * 4
+
+
+def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
+    """"mma_fp8": per CTA, a ring of ``num_stages`` stages (each warp's weight rows + the
+    shared token codes and scales) and every warp's scale buffers."""
+    mats = 2 if gated else 1
+    weights = WARP_COUNT * mats * WARP_ROWS * ROW_BYTES[weight_format]
+    return (num_stages * (weights + FP8_TOKEN_STAGE_BYTES)
+            + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
+
+
+def fp8_warp_unit(row_kind: str, row, unit):
+    """"mma_fp8": where 16-byte unit ``unit`` of a row sits in its row of a stage; ``row_kind``
+    "fp4" (a warp's weight row q: 4 units), "fp8" (8 units) or "tokens" (token row g: 8
+    units of e4m3 codes). The reads of
+    one MMA step -- lane 4g + t reads, of rows g (and g + 8), 4 bytes of unit ``step`` (FP4)
+    or 8 bytes of unit 2 step + t / 2 (FP8 weights, tokens) -- then hit distinct banks:
+    rows of 64 bytes swizzle by (row / 2) mod 4, rows of 128 bytes by 2 (row mod 4).
+    Works on ints and on kernel integers alike."""
+    if row_kind == "fp4":
+        return unit ^ ((row >> 1) & 3)
+    return unit ^ ((row & 3) << 1)
+
+
 def warp_lane_columns(t, kb, step):
     """"mma_sync": first of the 8 K columns lane ``4g + t`` multiplies in MMA step ``step``
     (0-3) of K block ``kb``; works on ints and on kernel integers alike.
@@ -178,9 +213,12 @@ DEFAULT_DECODE_ALGORITHM = "mma_sync"
 
 
 def choose_config(num_rows: int, num_experts: int, weight_format: str,
-                  decode_algorithm: str = DEFAULT_DECODE_ALGORITHM) -> MoeGemmSm90Config:
+                  decode_algorithm: str = DEFAULT_DECODE_ALGORITHM,
+                  fp8_activations: bool = True) -> MoeGemmSm90Config:
     """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
-    Decode tiles run ``decode_algorithm``; prefill tiles always WGMMA.
+    Decode tiles run ``decode_algorithm``; prefill tiles always WGMMA. "mma_fp8" needs FP4/FP8
+    weights and FP8-quantised activations (``fp8_activations``: the simulation is on), else
+    decode tiles run "mma_sync".
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
@@ -190,8 +228,10 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
         raise ValueError(f"choose_config: decode_algorithm must be one of {ALGORITHMS}, "
                          f"got {decode_algorithm!r}")
     decode = num_rows <= 4 * num_experts
-    if decode and decode_algorithm == "mma_sync":
-        config = DECODE_MMA_SYNC_CONFIG
+    if decode_algorithm == "mma_fp8" and (weight_format == "bf16" or not fp8_activations):
+        decode_algorithm = "mma_sync"
+    if decode and decode_algorithm in WARP_ALGORITHMS:
+        config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
             config = dataclasses.replace(config, num_stages=6)
         while (config.num_stages > 2

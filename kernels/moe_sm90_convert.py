@@ -94,6 +94,69 @@ def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
                  for i in range(2))
 
 
+@dsl_user_op
+def fp4x8_to_e4m3x8(word: Int32, *, loc=None, ip=None):
+    """Eight packed e2m1 codes (low nibble first) -> two words of four e4m3 codes: codes
+    0, 2, 4, 6 (the low nibbles) and codes 1, 3, 5, 7, each ``sign << 7 | magnitude << 2``.
+
+    That e4m3 byte is the code's value times 2^-6 for every code: exponent field e and
+    mantissa bit m of an e2m1 normal become e4m3 exponent e (2^(e - 7)) with mantissa m, and
+    the e2m1 subnormal 0.5 (e = 0, m = 1) becomes the e4m3 subnormal 2^-7. The caller
+    multiplies the 2^6 back in f32. 7 integer instructions.
+    """
+    text = (
+        "{\n"
+        ".reg .b32 a, b;\n"
+        "shl.b32 a, $2, 2;\n"
+        "shl.b32 b, $2, 4;\n"
+        "and.b32 a, a, 0x1C1C1C1C;\n"
+        "and.b32 b, b, 0x80808080;\n"
+        "or.b32 $0, a, b;\n"
+        "shr.u32 a, $2, 2;\n"
+        "and.b32 a, a, 0x1C1C1C1C;\n"
+        "and.b32 b, $2, 0x80808080;\n"
+        "or.b32 $1, a, b;\n"
+        "}")
+    res = _asm(2, [word], text, "=r,=r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+@dsl_user_op
+def byte_perm(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """``prmt.b32``: byte i of the result is byte ``selector`` nibble i of (b:a)."""
+    return Int32(_asm(1, [a, b], f"prmt.b32 $0, $1, $2, {selector:#06x};", "=r,r,r", loc, ip))
+
+
+@dsl_user_op
+def e8m0_f32(e8: Int32, *, loc=None, ip=None) -> Float32:
+    """f32 2^(e8 - 127) of an E8M0 byte (0 gives the subnormal 2^-127): ``max(e8 << 23,
+    0x00400000)`` as bits."""
+    bits = _asm(1, [e8], "{\n.reg .b32 a;\nshl.b32 a, $1, 23;\nmax.u32 $0, a, 0x00400000;\n}",
+                "=r,r", loc, ip)
+    return Float32(llvm.bitcast(T.f32(), bits, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mma_m16n8k32_e4m3(a, b, c, *, loc=None, ip=None):
+    """``mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32`` (sm_89+): d = A B + C.
+
+    Fragments, lane = 4 g + t, each register four e4m3 codes (lowest byte first):
+    ``a = (A[g, 4t:4t+4], A[g+8, 4t:4t+4], A[g, 4t+16:4t+20], A[g+8, 4t+16:4t+20])``,
+    ``b = (B[4t:4t+4, g], B[4t+16:4t+20, g])``; ``c``/d (f32) as ``mma_m16n8k16_bf16``.
+    """
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
 @cute.jit
 def e8m0_bf16x2(e8: Int32) -> Int32:
     """bf16 2^(e8 - 127) in both halves of a word (e8 = 0 gives the subnormal 2^-127)."""

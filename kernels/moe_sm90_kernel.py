@@ -53,6 +53,7 @@ from .moe_sm90 import (BLOCK_K, BLOCK_M, DECODE_CONFIG, PREFILL_CONFIG,  # noqa:
 from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output)
 from .moe_sm90_warp import MoeGemmWarpSm90
+from .moe_sm90_warp_fp8 import MoeGemmWarpFp8Sm90
 
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
@@ -348,23 +349,30 @@ class MoeGemmSm90:
 def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.Tensor,
                       tile_row0: cute.Tensor, tile_rows: cute.Tensor, w_a: cute.Tensor,
                       s_a: cute.Tensor, w_b: cute.Tensor, s_b: cute.Tensor,
-                      route_w: cute.Tensor, out: cute.Tensor, *,
+                      route_w: cute.Tensor, x_scale: cute.Tensor, out: cute.Tensor, *,
                       weight_format: cutlass.Constexpr, gated: cutlass.Constexpr,
                       swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
                       num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = "",
                       algorithm: cutlass.Constexpr = "wgmma",
                       scale_group: cutlass.Constexpr = 1):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config); the
-    config's ``algorithm`` picks this module's WGMMA kernel or ``moe_sm90_warp``'s, which
-    also takes ``scale_group`` (``moe_sm90.warp_scale_group`` of the input features)."""
+    config's ``algorithm`` picks this module's WGMMA kernel, ``moe_sm90_warp``'s or
+    ``moe_sm90_warp_fp8``'s; the warp kernels also take ``scale_group``
+    (``moe_sm90.warp_scale_group`` of the input features). ``x_scale``: "mma_fp8" reads ``x``
+    as e4m3 codes [rows, K] (uint8) and these f32 scales [rows, K / 128]; the others read
+    bf16 ``x`` and ignore it."""
     config = MoeGemmSm90Config(block_n=block_n, num_stages=num_stages, ablation=ablation,
                                algorithm=algorithm)
-    if const_expr(algorithm == "mma_sync"):
-        kernel = MoeGemmWarpSm90(weight_format, gated, swiglu_limit, config, scale_group)
+    if const_expr(algorithm == "wgmma"):
+        MoeGemmSm90(weight_format, gated, swiglu_limit, config)(
+            x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
     else:
-        kernel = MoeGemmSm90(weight_format, gated, swiglu_limit, config)
-    kernel(x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
+        kernel_class = MoeGemmWarpFp8Sm90 if const_expr(algorithm == "mma_fp8") else (
+            MoeGemmWarpSm90)
+        kernel_class(weight_format, gated, swiglu_limit, config, scale_group)(
+            x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, x_scale, out,
+            stream)
 
 
-__all__ = ["MoeGemmSm90", "MoeGemmWarpSm90", "MoeGemmSm90Config", "moe_gemm_launcher",
+__all__ = ["MoeGemmSm90", "MoeGemmWarpSm90", "MoeGemmWarpFp8Sm90", "MoeGemmSm90Config", "moe_gemm_launcher",
            "choose_config", "num_tile_slots", "DECODE_CONFIG", "PREFILL_CONFIG"]

@@ -93,8 +93,8 @@ class MoeGemmWarpSm90:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
                  mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
-                 mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor,
-                 stream: cuda.CUstream):
+                 mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor, mXs: cute.Tensor,
+                 mOut: cute.Tensor, stream: cuda.CUstream):
         total = self.smem_bytes
 
         @cute.struct
@@ -103,7 +103,7 @@ class MoeGemmWarpSm90:
 
         self.shared_storage = SharedStorage
         n_out = mOut.shape[1]
-        self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
+        self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mXs,
                     mOut).launch(grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
                                  block=[NUM_THREADS, 1, 1], stream=stream)
 
@@ -111,7 +111,7 @@ class MoeGemmWarpSm90:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
                mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-               mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor):
+               mSb: cute.Tensor, mRw: cute.Tensor, mXs: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         m_tile, slot, _ = cute.arch.block_idx()
         expert = mTileExpert[slot]
@@ -130,19 +130,20 @@ class MoeGemmWarpSm90:
             num_k = mX.shape[1] // BLOCK_K
             for s in cutlass.range_constexpr(self.num_stages - 1):
                 if s < num_k:
-                    self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows, s,
-                               base, warp, tidx)
+                    self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                               rows, s, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
             for kb in cutlass.range(num_k, unroll=1):
                 cute.arch.cp_async_wait_group(self.num_stages - 2)
                 cute.arch.barrier()
                 ahead = kb + self.num_stages - 1
                 if ahead < num_k:
-                    self.issue(mX, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows,
-                               ahead, base, warp, tidx)
+                    self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                               rows, ahead, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
                 self.compute(acc, base, kb, warp, lane)
             cute.arch.cp_async_wait_group(0)
+            self.finish(acc)
             self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
 
     def token_stage(self, base, kb):
@@ -158,10 +159,11 @@ class MoeGemmWarpSm90:
                 * WARP_SCALE_BUFFER_BYTES)
 
     @cute.jit
-    def issue(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-              mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32, row0: Int32,
-              rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
-        """This thread's cp.async copies of K block ``kb`` (see the module docstring)."""
+    def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+              mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32,
+              row0: Int32, rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
+        """This thread's cp.async copies of K block ``kb`` (see the module docstring;
+        ``mXs``, the activation scales of "mma_fp8", is not read)."""
         lane = tidx % 32
         g, t = lane // 4, lane % 4
         n_out = mWa.shape[1]
@@ -274,6 +276,9 @@ class MoeGemmWarpSm90:
                         d = mma_m16n8k16_bf16(a, b, c)
                     for j in cutlass.range_constexpr(4):
                         acc[4 * mat + j] = d[j]
+
+    def finish(self, acc: cute.Tensor):
+        """Hook before the epilogue (``moe_sm90_warp_fp8`` rescales there)."""
 
     def codes_to_bf16(self, row_words, mults, q, step):
         """The 8 codes of MMA step ``step`` (one row) as four bf16 pairs, in column order."""

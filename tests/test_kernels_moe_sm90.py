@@ -274,6 +274,146 @@ def test_mma_sync_scale_buffers_outlive_their_k_blocks(num_stages, num_k):
             assert holder[kb // group % buffers] == kb // group    # compute(kb) reads it
 
 
+# ----------------------------------------------------------- "mma_fp8": the lane mapping
+def _fp4x8_to_e4m3x8(word):
+    """numpy replay of ``fp4x8_to_e4m3x8`` (the same shifts and masks)."""
+    w = np.uint32(word)
+    lo = ((w << np.uint32(2)) & np.uint32(0x1C1C1C1C)) | ((w << np.uint32(4)) & np.uint32(0x80808080))
+    hi = ((w >> np.uint32(2)) & np.uint32(0x1C1C1C1C)) | (w & np.uint32(0x80808080))
+    return lo, hi
+
+
+def _e4m3_bytes(word):
+    b = np.frombuffer(np.uint32(word).tobytes(), np.uint8)
+    return np.asarray(jnp.asarray(b).view(jnp.float8_e4m3fn).astype(jnp.float32), np.float64)
+
+
+def test_fp4_to_e4m3_is_exact_for_every_code():
+    """Every e2m1 code, in every nibble position: the e4m3 byte is its value x 2^-6."""
+    for code in range(16):
+        for pos in range(8):
+            lo, hi = _fp4x8_to_e4m3x8(code << (4 * pos))
+            got = _e4m3_bytes(lo if pos % 2 == 0 else hi)[pos // 2] * 64
+            assert got == quant.FP4_CODE_VALUES[code], (code, pos, got)
+
+
+@pytest.mark.parametrize("kind", ["fp4", "fp8", "tokens"])
+def test_mma_fp8_stage_swizzle_is_a_conflict_free_permutation(kind):
+    """Rows of a stage keep all their units; an MMA step's reads (FP4: 4 bytes of unit
+    ``step`` of rows g; FP8 and tokens: 8 bytes of unit 2 step + t/2 of row g) hit distinct
+    banks per wavefront (32 lanes of 4 bytes, or 16 lanes of 8 bytes)."""
+    units, row_bytes = (4, 64) if kind == "fp4" else (8, 128)
+    for row in range(16):
+        assert sorted(support.fp8_warp_unit(kind, row, u) for u in range(units)) == list(
+            range(units))
+    for step in range(4):
+        for row_add in (0, 8):
+            if kind == "fp4":
+                addr = [(l // 4 + row_add) * row_bytes + 16 * support.fp8_warp_unit(
+                    kind, l // 4 + row_add, step) + 4 * (l % 4) for l in range(32)]
+                assert len({a // 4 % 32 for a in addr}) == 32
+            else:
+                for half_warp in range(2):
+                    lanes = range(16 * half_warp, 16 * half_warp + 16)
+                    addr = [(l // 4 + row_add) * row_bytes + 16 * support.fp8_warp_unit(
+                        kind, l // 4 + row_add, 2 * step + (l % 4) // 2) + 8 * (l % 2)
+                        for l in lanes]
+                    assert len({a // 8 % 16 for a in addr}) == 16
+
+
+def _mma_m16n8k32(a, b):
+    """PTX ``mma.m16n8k32`` e4m3 fragments (lists per lane of byte values) -> D 16 x 8."""
+    A, B = np.zeros((16, 32)), np.zeros((32, 8))
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for r in range(4):
+            for j in range(4):
+                A[g + 8 * (r % 2), 4 * t + j + 16 * (r // 2)] = a[lane][r][j]
+        for r in range(2):
+            for j in range(4):
+                B[4 * t + j + 16 * r, g] = b[lane][r][j]
+    return A @ B
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
+    """Replays one warp of ``moe_sm90_warp_fp8`` in numpy over 2 K blocks of one matrix:
+    the weight units each lane copies into swizzled rows, the CTA's token stage, the words
+    each lane reads back per step, the FP4 -> e4m3 conversion, the token ``prmt`` split,
+    the MMA fragments, the per-step (FP4) or per-K-block (FP8) scales and 2^6 (FP4)."""
+    rng = np.random.default_rng(3)
+    nk = 2
+    k = nk * support.BLOCK_K
+    row_bytes = support.ROW_BYTES[fmt]
+    x_codes = rng.integers(0, 256, (8, k), dtype=np.uint8)
+    x_codes[(x_codes & 0x7F) == 0x7F] = 0                     # no e4m3 NaN codes
+    x_scale = 2.0 ** rng.integers(-4, 4, (8, nk))
+    x_val = (np.asarray(jnp.asarray(x_codes).view(jnp.float8_e4m3fn).astype(jnp.float32),
+                        np.float64) * np.repeat(x_scale, 128, axis=1))
+    if fmt == "fp4":
+        raw = rng.integers(0, 256, (16, k // 2), dtype=np.uint8)
+        scales = 2.0 ** rng.integers(-3, 3, (16, k // 32))
+        codes = np.stack([raw & 0xF, raw >> 4], axis=2).reshape(16, k)
+        w = quant.FP4_CODE_VALUES[codes] * np.repeat(scales, 32, axis=1)
+    else:
+        raw = rng.integers(0, 256, (16, k), dtype=np.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0
+        block_scales = 2.0 ** rng.integers(-3, 3, (nk,))
+        w = (np.asarray(jnp.asarray(raw).view(jnp.float8_e4m3fn).astype(jnp.float32),
+                        np.float64) * np.repeat(block_scales, 128))
+    chunks = row_bytes // 4 // 16
+    acc = np.zeros((16, 8))
+    for kb in range(nk):
+        stage = np.zeros((16, row_bytes), np.uint8)              # the warp's rows, swizzled
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for half in range(2):
+                q = g + 8 * half
+                for c in range(chunks):
+                    start = support.warp_lane_weight_byte(t, kb, fmt) + 16 * c
+                    unit = support.fp8_warp_unit(fmt, q, t * chunks + c)
+                    stage[q, 16 * unit:16 * unit + 16] = raw[q, start:start + 16]
+        tokens = np.zeros((8, 128), np.uint8)
+        for tidx in range(64):
+            r, unit = divmod(tidx, 8)
+            u = support.fp8_warp_unit("tokens", r, unit)
+            tokens[r, 16 * u:16 * u + 16] = x_codes[r, kb * 128 + 16 * unit:][:16]
+        block = np.zeros((16, 8))
+        for step in range(4):
+            a, b, sw = [], [], np.zeros(16)
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                u = support.fp8_warp_unit("tokens", g, 2 * step + t // 2)
+                xb = tokens[g, 16 * u + 8 * (t % 2):][:8]
+                if fmt == "fp4":                          # prmt 0x6420 / 0x7531
+                    b.append([xb[0::2], xb[1::2]])
+                else:
+                    b.append([xb[:4], xb[4:]])
+                rows = []
+                for half in range(2):
+                    q = g + 8 * half
+                    if fmt == "fp4":
+                        off = 16 * support.fp8_warp_unit("fp4", q, step) + 4 * t
+                        word = int(np.frombuffer(stage[q, off:off + 4].tobytes(), np.uint32)[0])
+                        rows.append([np.frombuffer(np.uint32(v).tobytes(), np.uint8)
+                                     for v in _fp4x8_to_e4m3x8(word)])
+                        sw[q] = scales[q, kb * 4 + step]
+                    else:
+                        off = 16 * support.fp8_warp_unit("fp8", q, 2 * step + t // 2) + 8 * (t % 2)
+                        rows.append([stage[q, off:off + 4], stage[q, off + 4:off + 8]])
+                a.append([rows[0][0], rows[1][0], rows[0][1], rows[1][1]])
+            as_val = lambda v: _e4m3_bytes(np.frombuffer(np.asarray(v, np.uint8).tobytes(),  # noqa
+                                                         np.uint32)[0])
+            d = _mma_m16n8k32([[as_val(r) for r in la] for la in a],
+                              [[as_val(r) for r in lb] for lb in b])
+            block += d * sw[:, None] if fmt == "fp4" else d
+        mult = x_scale[:, kb][None, :] * (1.0 if fmt == "fp4" else block_scales[kb])
+        acc += block * mult
+    if fmt == "fp4":
+        acc *= 64
+    np.testing.assert_allclose(acc, w @ x_val.T, rtol=1e-9, atol=1e-9)
+
+
 def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
     """Compile as ``cutlass_call`` does on the device: every extent a runtime value (only the
     divisibilities the JAX side guarantees are known), the launcher's static arguments."""
@@ -289,9 +429,13 @@ def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
                "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
                "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
     slots = dyn(support.num_tile_slots(a, e, config.block_n))
-    return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), fake(bf16, (a_, k_)),
+    fp8_x = config.algorithm == "mma_fp8"       # e4m3 codes + f32 scales per 128 columns
+    x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
+    x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
+    return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), x,
                         fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
-                        *weights, *weights, fake(cutlass.Float32, (a_,)), fake(bf16, (a_, n_)),
+                        *weights, *weights, fake(cutlass.Float32, (a_,)), x_scale,
+                        fake(bf16, (a_, n_)),
                         weight_format=fmt, gated=gated, swiglu_limit=10.0,
                         block_n=config.block_n, num_stages=config.num_stages,
                         algorithm=config.algorithm, ablation=config.ablation,
@@ -338,6 +482,55 @@ def test_compiles_for_sm90a(compiled, variant):
     if conversions:
         assert conversions in ptx
     assert compiled[variant].dump_to_object("moe")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("fmt,gated,k", [("fp4", True, 512), ("fp8", False, 512),
+                                         ("fp4", False, 384)])
+def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
+    """"mma_fp8": FP8 tensor-core MMAs (4 per matrix and K block), the FP4 conversion by
+    shifts (no bf16 conversion, no bf16 multiply), one CTA barrier per K block."""
+    config = support.choose_config(8, 4, fmt, "mma_fp8")
+    assert config.algorithm == "mma_fp8"
+    compiled = _compile(fmt, gated, config, k=k)
+    ptx = compiled.artifacts.PTX
+    mma = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
+    assert len(mma) == 4 * (2 if gated else 1)
+    assert "mul.rn.bf16x2" not in ptx and "wgmma" not in ptx and ptx.count("bar.sync") == 1
+    assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="MoeGemmWarpFp8Sm90"):
+        _compile("bf16", gated, dataclasses.replace(config, num_stages=3), k=k)
+
+
+def test_mma_fp8_falls_back_where_it_does_not_apply():
+    assert support.choose_config(8, 256, "fp4", "mma_fp8").algorithm == "mma_fp8"
+    assert support.choose_config(8, 256, "bf16", "mma_fp8").algorithm == "mma_sync"
+    assert support.choose_config(8, 256, "fp4", "mma_fp8", fp8_activations=False).algorithm \
+        == "mma_sync"
+    assert support.choose_config(4096, 256, "fp4", "mma_fp8").algorithm == "wgmma"
+    config = support.MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
+    ok, why = config.is_supported(weight_format="bf16", gated=True, n_out=256, k_in=512,
+                                  x_dtype="bfloat16", num_tiles=8)
+    assert not ok and "mma_fp8" in why
+    with pytest.raises(ValueError, match="ablation"):
+        support.MoeGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_load")
+
+
+def test_grouped_gemm_takes_fp8_activations_exactly_for_mma_fp8():
+    """The launch wrapper refuses activations that do not match the algorithm, before any
+    kernel is built: "mma_fp8" takes e4m3 codes and their scales, the others bf16 rows."""
+    e, n, k, rows = 2, 64, 256, 8
+    w = jnp.zeros((e, n, k // 2), jnp.uint8)
+    s = jnp.zeros((e, n, k // 32), jnp.uint8)
+    sched = moe_op.moe_schedule(jnp.zeros((rows,), jnp.int32), e, 8)
+    sched = (sched[0], *sched[2:])
+    fp8 = support.MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
+    bf16_rows = jnp.zeros((rows, k), jnp.bfloat16)
+    codes, scales = quant.act_quant(bf16_rows)
+    with pytest.raises(ValueError, match="grouped_gemm_sm90: algorithm 'mma_fp8' with xs bfloat16"):
+        moe_op.grouped_gemm_sm90(bf16_rows, sched, w, s, config=fp8)
+    with pytest.raises(ValueError, match="algorithm 'mma_sync' with xs float8_e4m3fn"):
+        moe_op.grouped_gemm_sm90(codes, sched, w, s, x_scale=scales,
+                                 config=support.choose_config(rows, e, "fp4", "mma_sync"))
 
 
 @pytest.mark.parametrize("k,group", [(384, 1), (768, 2)])

@@ -11,8 +11,10 @@ from dsv4_jax.ffi import dispatch, moe as moe_op
 from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
-# The kernel classes, named in their ELF: kernels/moe_sm90_kernel.py, kernels/moe_sm90_warp.py.
-MOE_KERNEL = {"wgmma": "MoeGemmSm90", "mma_sync": "MoeGemmWarpSm90"}
+# The kernel classes, named in their ELF: kernels/moe_sm90_kernel.py, kernels/moe_sm90_warp.py,
+# kernels/moe_sm90_warp_fp8.py.
+MOE_KERNEL = {"wgmma": "MoeGemmSm90", "mma_sync": "MoeGemmWarpSm90",
+              "mma_fp8": "MoeGemmWarpFp8Sm90"}
 BATCH = 2
 
 
@@ -44,8 +46,10 @@ def _kernel_supports(cfg, tokens):
 
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
-    ("fp4", 1, ""), ("fp4", 16, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma")],
-    ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma"])
+    ("fp4", 1, ""), ("fp4", 16, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
+    ("fp4", 1, "mma_fp8"), ("fp8", 1, "mma_fp8")],
+    ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-fp8",
+         "fp8-decode-mma-fp8"])
 def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
     monkeypatch.setenv(moe_op.ALGORITHM_ENV_VAR, algorithm)    # "": the default
@@ -56,8 +60,7 @@ def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens, 
     monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
     text = _lower(cfg, tokens)
     assert CUSTOM_CALL in text and MOE_KERNEL[algorithm] in text
-    other = MOE_KERNEL["wgmma" if algorithm == "mma_sync" else "mma_sync"]
-    assert other not in text
+    assert not [name for alg, name in MOE_KERNEL.items() if alg != algorithm and name in text]
     monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla,moe=xla")
     assert CUSTOM_CALL not in _lower(cfg, tokens)
 

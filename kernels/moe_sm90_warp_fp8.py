@@ -1,0 +1,194 @@
+"""Grouped expert GEMM for decode tiles on FP8 tensor cores: ``algorithm="mma_fp8"`` (sm_90a).
+
+Same launcher, tiles, copies pipeline and epilogue as ``moe_sm90_warp`` ("mma_sync"), for FP4
+and FP8 expert weights with the FP8 activation simulation on (the official numerics): the
+activations arrive already quantised -- e4m3 codes ``x`` [rows, K] (uint8) and f32 scales
+``x_scale`` [rows, K / 128], one per token and K block of 128 (``quant.act_quant``) -- and
+the warps run ``mma.sync.m16n8k32`` on e4m3 operands, so that the weights need no bf16
+conversion:
+
+* FP4: 8 codes per 32-bit word become two words of e4m3 codes in 7 integer instructions
+  (``fp4x8_to_e4m3x8``: each code's value x 2^-6, exact; ~21 instructions per 8 codes to
+  bf16 with the scale in "mma_sync", the launch's limit there, docs/performance.md). One
+  MMA step of K = 32 is one E8M0 scale block of every weight row, so each step's f32 result
+  is scaled by its rows' block scales (4 FFMA) into the K block's sum, which the tokens'
+  scales then add into the accumulators; 2^6 is restored in the epilogue.
+* FP8: the e4m3 weight bytes are the A operand as stored; the K block's 4 steps chain in
+  the tensor core and the K block's sum is scaled by the 128 x 128 block scale times the
+  token scales.
+
+Dataflow per K block (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token
+rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sync"):
+weights by lane 4g + t (16-byte units t (FP4) or 2t, 2t + 1 (FP8) of rows g, g + 8 of each
+matrix) into row-major, swizzled rows of its warp's stage (``moe_sm90.fp8_warp_unit``);
+token codes by threads 0-63 (one 16-byte unit each) and token scales by threads 64-71 into
+the CTA's stage; weight scales every ``scale_group`` K blocks into the warp's buffers.
+Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
+that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
+so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
+of the 8 go to those columns directly, for weights and tokens alike.
+
+Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8; no ablations.
+Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
+cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from .moe_sm90 import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
+                       WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, MoeGemmSm90Config,
+                       fp8_warp_smem_bytes, fp8_warp_unit, warp_lane_weight_byte)
+from .moe_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
+                               mma_m16n8k32_e4m3)
+from .moe_sm90_warp import STEPS, MoeGemmWarpSm90, _load_word
+
+FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
+
+
+class MoeGemmWarpFp8Sm90(MoeGemmWarpSm90):
+    """Static configuration of one compiled kernel (see the module docstring)."""
+
+    def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
+                 config: MoeGemmSm90Config, scale_group: int):
+        if weight_format not in ("fp4", "fp8") or config.ablation:
+            raise ValueError(f"MoeGemmWarpFp8Sm90: FP4/FP8 weights without ablations, got "
+                             f"{weight_format!r}, {config}")
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
+        # Shared memory: [token ring][weight ring: stage-major, then warp][scale buffers].
+        self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
+        self.weights_offset = self.num_stages * FP8_TOKEN_STAGE_BYTES
+        self.scales_offset = self.weights_offset + self.num_stages * WARP_COUNT * (
+            self.warp_stage_bytes)
+        self.smem_bytes = fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
+
+    def token_stage(self, base, kb):
+        return base + (kb % self.num_stages) * FP8_TOKEN_STAGE_BYTES
+
+    @cute.jit
+    def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+              mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32,
+              row0: Int32, rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
+        """This thread's cp.async copies of K block ``kb`` (see the module docstring)."""
+        lane = tidx % 32
+        g, t = lane // 4, lane % 4
+        n_out = mWa.shape[1]
+        k_in = mX.shape[1]
+        num_k = k_in // BLOCK_K
+        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
+        copy_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
+            num_bits_per_copy=128)
+        word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
+        stage = self.weight_stage(base, kb, warp)
+        for mat in cutlass.range_constexpr(self.mats):
+            w_base = (mWa if mat == 0 else mWb).iterator.toint()
+            for half in cutlass.range_constexpr(2):             # rows g and g + 8
+                q = mat * WARP_ROWS + g + 8 * half               # the row in the warp's stage
+                row = (w_row + g + 8 * half).to(Int64)
+                for c in cutlass.range_constexpr(self.chunks):
+                    src = (w_base + row * w_stride + (
+                        warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
+                    unit = fp8_warp_unit(self.weight_format, q, t * self.chunks + c)
+                    copy_bytes(copy_16, 16, src, stage + q * self.row_bytes + unit * 16)
+        tokens = self.token_stage(base, kb)
+        if tidx < WARP_TOKENS * BLOCK_K // 16:
+            # Token codes: thread tidx copies unit tidx % 8 of tile row tidx // 8.
+            r, unit = tidx // 8, tidx % 8
+            x_row = row0 + r
+            if r >= rows:
+                x_row = row0
+            src = mX.iterator.toint() + x_row.to(Int64) * k_in + kb * BLOCK_K + 16 * unit
+            copy_bytes(copy_16, 16, src, tokens + r * BLOCK_K
+                       + fp8_warp_unit("tokens", r, unit) * 16)
+        elif tidx < WARP_TOKENS * BLOCK_K // 16 + WARP_TOKENS:
+            r = tidx - WARP_TOKENS * BLOCK_K // 16
+            x_row = row0 + r
+            if r >= rows:
+                x_row = row0
+            src = mXs.iterator.toint() + (x_row.to(Int64) * num_k + kb) * 4
+            copy_bytes(word_4, 4, src, tokens + WARP_TOKENS * BLOCK_K + r * 4)
+        if kb % self.scale_group == 0:
+            self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
+                              self.scale_buffer(base, kb, warp), lane)
+
+    @cute.jit
+    def compute(self, acc: cute.Tensor, base: Int32, kb: Int32, warp: Int32, lane: Int32):
+        """This lane's MMAs of K block ``kb``: its sum per matrix, scaled into ``acc``."""
+        g, t = lane // 4, lane % 4
+        stage = self.weight_stage(base, kb, warp)
+        scales = self.scale_buffer(base, kb, warp)
+        in_group = kb % self.scale_group
+        tokens = self.token_stage(base, kb)
+        # Scales of tokens 2t and 2t + 1, the accumulator columns of this lane.
+        token_scales = _load_f32x2(tokens + WARP_TOKENS * BLOCK_K + 8 * t)
+        sx = [token_scales[j] for j in range(2)]
+        block = cute.make_rmem_tensor((4 * self.mats,), Float32)
+        block.fill(0.0)
+        scale_words = []
+        for mat in cutlass.range_constexpr(self.mats):
+            if const_expr(self.weight_format == "fp4"):
+                scale_words.append([_load_word(scales + (mat * WARP_ROWS + g + 8 * half) * 16
+                                               + in_group * 4) for half in range(2)])
+            else:
+                scale_words.append([_load_word(scales + mat * 4)])
+        for i in cutlass.range_constexpr(STEPS):
+            # The lane's 8 token bytes of step i: columns 32i + 8t .. + 7 of token row g.
+            x = _load_words2(tokens + g * BLOCK_K
+                             + fp8_warp_unit("tokens", g, 2 * i + t // 2) * 16 + 8 * (t % 2))
+            if const_expr(self.weight_format == "fp4"):
+                b = (byte_perm(x[0], x[1], 0x6420), byte_perm(x[0], x[1], 0x7531))
+            else:
+                b = (x[0], x[1])
+            for mat in cutlass.range_constexpr(self.mats):
+                rows_ab = []                      # per row half: (columns 4t.., 4t+16..)
+                for half in cutlass.range_constexpr(2):
+                    q = mat * WARP_ROWS + g + 8 * half
+                    if const_expr(self.weight_format == "fp4"):
+                        word = _load_word(stage + q * self.row_bytes
+                                          + fp8_warp_unit("fp4", q, i) * 16 + 4 * t)
+                        rows_ab.append(fp4x8_to_e4m3x8(word))
+                    else:
+                        rows_ab.append(_load_words2(
+                            stage + q * self.row_bytes
+                            + fp8_warp_unit("fp8", q, 2 * i + t // 2) * 16 + 8 * (t % 2)))
+                a = (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
+                if const_expr(self.weight_format == "fp4"):
+                    d = mma_m16n8k32_e4m3(a, b, (Float32(0.0),) * 4)
+                    # Scale block i of rows g (d0, d1) and g + 8 (d2, d3).
+                    sw = [e8m0_f32((scale_words[mat][half] >> (8 * i)) & 0xFF)
+                          for half in range(2)]
+                    for j in cutlass.range_constexpr(4):
+                        block[4 * mat + j] = block[4 * mat + j] + sw[j // 2] * d[j]
+                else:
+                    d = mma_m16n8k32_e4m3(a, b, tuple(block[4 * mat + j] for j in range(4)))
+                    for j in cutlass.range_constexpr(4):
+                        block[4 * mat + j] = d[j]
+        for mat in cutlass.range_constexpr(self.mats):
+            if const_expr(self.weight_format == "fp4"):
+                mult = sx
+            else:
+                sw = e8m0_f32((scale_words[mat][0] >> (8 * in_group)) & 0xFF)
+                mult = [sw * sx[j] for j in range(2)]
+            for j in cutlass.range_constexpr(4):
+                acc[4 * mat + j] = acc[4 * mat + j] + mult[j % 2] * block[4 * mat + j]
+
+    @cute.jit
+    def finish(self, acc: cute.Tensor):
+        if const_expr(self.weight_format == "fp4"):
+            for j in cutlass.range_constexpr(4 * self.mats):
+                acc[j] = acc[j] * Float32(FP4_UNSCALE)
+
+
+def _load_words2(addr):
+    """Two 32-bit words from an 8-byte aligned shared-memory address."""
+    return cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.smem,
+                                          assumed_align=8), cute.make_layout((2,))).load()
+
+
+def _load_f32x2(addr):
+    return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem,
+                                          assumed_align=8), cute.make_layout((2,))).load()
