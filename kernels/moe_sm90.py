@@ -113,6 +113,7 @@ class MoeGemmSm90Config:
 
 
 DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
+PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
 # The decode default (DEFAULT_DECODE_ALGORITHM); 4 stages leave several CTAs per SM.
 DECODE_MMA_SYNC_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
@@ -206,7 +207,8 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
     """"mma_sync": offset in a weight row of the ``ROW_BYTES / 4`` bytes lane ``4g + t``
     stages for K block ``kb``: the codes of ``warp_lane_columns(t, kb, 0..3)``, in order."""
     return kb * ROW_BYTES[weight_format] + t * (ROW_BYTES[weight_format] // 4)
-PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
+
+
 # Decode tiles' algorithm unless told otherwise: "mma_sync" was exact and 1.2-1.6x faster
 # than "wgmma" at Flash decode sizes on an H200 (docs/performance.md, 2026-11-23).
 DEFAULT_DECODE_ALGORITHM = "mma_sync"

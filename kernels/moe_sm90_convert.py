@@ -1,8 +1,9 @@
-"""Device helpers shared by the two MoE kernels (sm_90a, CuTe DSL).
+"""Device helpers shared by the MoE kernels (sm_90a, CuTe DSL).
 
 FP4 e2m1 and FP8 e4m3 codes become exact bf16 values times an E8M0 block scale in a few
 integer instructions (``tests/test_kernels_moe_sm90.py`` replays both on every code);
-``mma_m16n8k16_bf16`` is the warp-level tensor-core MMA with the PTX fragment layout;
+``fp4x8_to_e4m3x8`` makes FP4 codes FP8 tensor-core operands; ``mma_m16n8k16_bf16`` and
+``mma_m16n8k32_e4m3`` are the warp-level tensor-core MMAs with their PTX fragment layouts;
 ``copy_bytes`` is one cp.async of raw bytes; ``gated_output`` is the SwiGLU epilogue.
 """
 from __future__ import annotations
@@ -137,6 +138,20 @@ def e8m0_f32(e8: Int32, *, loc=None, ip=None) -> Float32:
     return Float32(llvm.bitcast(T.f32(), bits, loc=loc, ip=ip))
 
 
+def _mma_f32(shape_types: str, a, b, c, loc, ip):
+    """``mma.sync.aligned.<shape_types>`` with 4 A, 2 B and 4 f32 C/D registers per lane."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
+        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
+        f"mma.sync.aligned.{shape_types} "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
 @dsl_user_op
 def mma_m16n8k32_e4m3(a, b, c, *, loc=None, ip=None):
     """``mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32`` (sm_89+): d = A B + C.
@@ -145,16 +160,7 @@ def mma_m16n8k32_e4m3(a, b, c, *, loc=None, ip=None):
     ``a = (A[g, 4t:4t+4], A[g+8, 4t:4t+4], A[g, 4t+16:4t+20], A[g+8, 4t+16:4t+20])``,
     ``b = (B[4t:4t+4, g], B[4t+16:4t+20, g])``; ``c``/d (f32) as ``mma_m16n8k16_bf16``.
     """
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
-        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
+    return _mma_f32("m16n8k32.row.col.f32.e4m3.e4m3.f32", a, b, c, loc, ip)
 
 
 @cute.jit
@@ -175,16 +181,7 @@ def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
     A[g+8, 2t+8:2t+10])``, ``b = (B[2t:2t+2, g], B[2t+8:2t+10, g])``; ``c``/d (f32) =
     ``(C[g, 2t], C[g, 2t+1], C[g+8, 2t], C[g+8, 2t+1])`` with A 16x16, B 16x8, C 16x8.
     """
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int32(v).ir_value(loc=loc, ip=ip) for v in (*a, *b)]
-        + [Float32(v).ir_value(loc=loc, ip=ip) for v in c],
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
+    return _mma_f32("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c, loc, ip)
 
 
 @cute.jit

@@ -165,13 +165,10 @@ class MoeGemmWarpSm90:
         """This thread's cp.async copies of K block ``kb`` (see the module docstring;
         ``mXs``, the activation scales of "mma_fp8", is not read)."""
         lane = tidx % 32
-        g, t = lane // 4, lane % 4
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
         num_k = k_in // BLOCK_K
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
-        # 16-byte copies bypass L1 (.cg): nothing is read twice by one SM except tokens, and
-        # those are shared through shared memory now.
+        # Token rows bypass L1 too: the CTA shares them through shared memory.
         copy_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
             num_bits_per_copy=128)
@@ -181,18 +178,9 @@ class MoeGemmWarpSm90:
         load = first_stages if const_expr(self.ablation == "no_load") else True
         load_scales = first_stages if const_expr(self.ablation == "no_scale_load") else True
         load_tokens = first_stages if const_expr(self.ablation == "no_token_load") else True
-        stage = self.weight_stage(base, kb, warp)
-        for mat in cutlass.range_constexpr(self.mats):
-            w_base = (mWa if mat == 0 else mWb).iterator.toint()
-            for half in cutlass.range_constexpr(2):             # rows g and g + 8
-                row = (w_row + g + 8 * half).to(Int64)
-                q = mat * 2 + half
-                for c in cutlass.range_constexpr(self.chunks):
-                    src = (w_base + row * w_stride + (
-                        warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
-                    dst = stage + ((q * self.chunks + c) * 32 + lane) * 16
-                    if load:
-                        copy_bytes(copy_16, 16, src, dst)
+        if load:
+            self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in,
+                               lane)
         # Tokens: thread tidx copies unit tidx % 16 of tile row tidx // 16.
         r, unit = tidx // 16, tidx % 16
         x_row = row0 + r
@@ -207,6 +195,31 @@ class MoeGemmWarpSm90:
                 if load_scales:
                     self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
                                       self.scale_buffer(base, kb, warp), lane)
+
+    @cute.jit
+    def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
+                      stage: Int32, k_in: Int32, lane: Int32):
+        """Lane 4g + t: the bytes of columns [32t, 32t + 32) of K block ``kb`` of weight
+        rows g and g + 8 of each matrix, 16 at a time, to ``weight_slot``."""
+        g, t = lane // 4, lane % 4
+        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
+        # 16-byte copies bypass L1 (.cg): no SM reads a weight byte twice.
+        copy_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
+            num_bits_per_copy=128)
+        for mat in cutlass.range_constexpr(self.mats):
+            w_base = (mWa if mat == 0 else mWb).iterator.toint()
+            for half in cutlass.range_constexpr(2):             # rows g and g + 8
+                row = (w_row + g + 8 * half).to(Int64)
+                for c in cutlass.range_constexpr(self.chunks):
+                    src = (w_base + row * w_stride + (
+                        warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
+                    copy_bytes(copy_16, 16, src, self.weight_slot(stage, mat, half, c, lane))
+
+    def weight_slot(self, stage, mat, half, chunk, lane):
+        """Shared address of the lane's 16-byte ``chunk`` of row g + 8 ``half`` of ``mat``:
+        its own slots, read back by itself only."""
+        return stage + (((mat * 2 + half) * self.chunks + chunk) * 32 + lane) * 16
 
     @cute.jit
     def issue_scales(self, mSa: cute.Tensor, mSb: cute.Tensor, n_out: Int32, expert: Int32,
@@ -245,7 +258,7 @@ class MoeGemmWarpSm90:
                 q = mat * 2 + half
                 row_words = []
                 for c in cutlass.range_constexpr(self.chunks):
-                    vec = _load_words(stage + ((q * self.chunks + c) * 32 + lane) * 16)
+                    vec = _load_words(self.weight_slot(stage, mat, half, c, lane))
                     row_words += [vec[j] for j in range(4)]
                 words.append(row_words)
                 if const_expr(self.weight_format == "fp4"):

@@ -41,7 +41,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .moe_sm90 import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, MoeGemmSm90Config,
-                       fp8_warp_smem_bytes, fp8_warp_unit, warp_lane_weight_byte)
+                       fp8_warp_smem_bytes, fp8_warp_unit)
 from .moe_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
                                mma_m16n8k32_e4m3)
 from .moe_sm90_warp import STEPS, MoeGemmWarpSm90, _load_word
@@ -68,32 +68,28 @@ class MoeGemmWarpFp8Sm90(MoeGemmWarpSm90):
     def token_stage(self, base, kb):
         return base + (kb % self.num_stages) * FP8_TOKEN_STAGE_BYTES
 
+    def weight_slot(self, stage, mat, half, chunk, lane):
+        """Row-major rows of the warp's stage, units swizzled (``fp8_warp_unit``): the lanes
+        of an MMA step read across the units their neighbours copied."""
+        g, t = lane // 4, lane % 4
+        q = mat * WARP_ROWS + g + 8 * half                       # the row in the warp's stage
+        unit = fp8_warp_unit(self.weight_format, q, t * self.chunks + chunk)
+        return stage + q * self.row_bytes + unit * 16
+
     @cute.jit
     def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
               mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32,
               row0: Int32, rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
         """This thread's cp.async copies of K block ``kb`` (see the module docstring)."""
         lane = tidx % 32
-        g, t = lane // 4, lane % 4
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
         num_k = k_in // BLOCK_K
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
         copy_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
             num_bits_per_copy=128)
         word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
-        stage = self.weight_stage(base, kb, warp)
-        for mat in cutlass.range_constexpr(self.mats):
-            w_base = (mWa if mat == 0 else mWb).iterator.toint()
-            for half in cutlass.range_constexpr(2):             # rows g and g + 8
-                q = mat * WARP_ROWS + g + 8 * half               # the row in the warp's stage
-                row = (w_row + g + 8 * half).to(Int64)
-                for c in cutlass.range_constexpr(self.chunks):
-                    src = (w_base + row * w_stride + (
-                        warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
-                    unit = fp8_warp_unit(self.weight_format, q, t * self.chunks + c)
-                    copy_bytes(copy_16, 16, src, stage + q * self.row_bytes + unit * 16)
+        self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in, lane)
         tokens = self.token_stage(base, kb)
         if tidx < WARP_TOKENS * BLOCK_K // 16:
             # Token codes: thread tidx copies unit tidx % 8 of tile row tidx // 8.
