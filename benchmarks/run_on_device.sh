@@ -51,9 +51,13 @@ if [[ $what == moe_tests ]]; then
   part=${1:-general}
   select=$([[ $part == decode ]] && echo "decode_kernels" || echo "not decode_kernels")
   [[ -n ${2:-} ]] && select="$select and ($2)"   # e.g. "flash and not wgmma"
-  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 \
+  # XLA's GEMM autotuning off: each case compiles new XLA programs (the op and the chunked
+  # reference at its own shapes), and autotuning made that most of a Flash/Pro case's time.
+  # -v: a case that passed is on record even when the time limit cuts the run short.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-540} \
+    python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=5 \
     -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
-    | tee "$OUT/moe_gpu_tests_$part.log" | tail -30
+    | tee "$OUT/moe_gpu_tests_$part.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -40
 fi
 if [[ $what == moe_detail ]]; then
   tokens=${1:-8}; alg=${2:-mma_sync}

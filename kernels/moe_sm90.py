@@ -114,7 +114,7 @@ class MoeGemmSm90Config:
 
 DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
 PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
-# The decode default (DEFAULT_DECODE_ALGORITHM); 4 stages leave several CTAs per SM.
+# The warp-level decode kernels ("mma_sync", "mma_fp8"); 4 stages leave several CTAs per SM.
 DECODE_MMA_SYNC_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
 
@@ -209,9 +209,12 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
     return kb * ROW_BYTES[weight_format] + t * (ROW_BYTES[weight_format] // 4)
 
 
-# Decode tiles' algorithm unless told otherwise: "mma_sync" was exact and 1.2-1.6x faster
-# than "wgmma" at Flash decode sizes on an H200 (docs/performance.md, 2026-11-23).
-DEFAULT_DECODE_ALGORITHM = "mma_sync"
+# Decode tiles' algorithm unless told otherwise: "mma_fp8" (FP4/FP8 weights with the FP8
+# simulation; choose_config falls back to "mma_sync" for the rest). Both exact; on an H200 at
+# Flash dims "mma_fp8" took 286 vs 300 us (T = 8), 992 vs 1059 us (T = 64), 358 vs 623 us
+# (FP8 weights, T = 8), and "mma_sync" was 1.2-1.6x faster than "wgmma"
+# (docs/performance.md, 2026-11-23).
+DEFAULT_DECODE_ALGORITHM = "mma_fp8"
 
 
 def choose_config(num_rows: int, num_experts: int, weight_format: str,

@@ -371,7 +371,7 @@ def test_cute_matches_the_reference_without_simulation(fmt):
 
 def test_decode_algorithm_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(op.ALGORITHM_ENV_VAR, raising=False)
-    assert op.decode_algorithm() == "mma_sync"
+    assert op.decode_algorithm() == "mma_fp8"
     monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "wgmma")
     assert op.decode_algorithm() == "wgmma"
     monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "simt")
@@ -380,24 +380,23 @@ def test_decode_algorithm_comes_from_the_environment(monkeypatch):
 
 
 # Decode-size inputs only (rows <= 4 E), where the decode algorithm applies: the default
-# ("mma_sync") on more token counts and routings than GPU_CASES, and the others ("wgmma":
-# the prefill kernel with 8-row tiles, kept selectable; "mma_fp8", opt-in) on fewer.
+# ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token counts and routings than
+# GPU_CASES, and the others ("mma_sync" for FP4/FP8; "wgmma": the prefill kernel with 8-row
+# tiles, kept selectable) on fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
                 + [("flash", f, t, r, "") for f in ("fp4", "fp8") for t in (1, 8, 64, 170)
                    for r in ("random", "one_expert")]
                 + [("pro", f, t, "random", "") for f in ("fp4", "fp8") for t in (1, 8, 64)]
+                + [("small", f, t, r, "mma_sync") for f in ("fp4", "fp8") for t in (1, 3, 8, 16)
+                   for r in ("random", "dropped")]
+                + [("small", f, 64, "one_expert", "mma_sync") for f in ("fp4", "fp8")]
+                + [("flash", f, t, "random", "mma_sync") for f in ("fp4", "fp8") for t in (1, 8, 64)]
+                + [("pro", "fp4", 8, "random", "mma_sync")]
                 + [("small", f, t, r, "wgmma") for f in ("fp4", "fp8", "bf16") for t in (3, 8)
                    for r in ("random", "dropped")]
-                + [("flash", f, 8, "random", "wgmma") for f in ("fp4", "fp8")]
-                # "mma_fp8" (FP8 tensor cores; FP4/FP8 weights, simulate=True; else it falls
-                # back to "mma_sync"): run them alone with -k mma_fp8.
-                + [("small", f, t, r, "mma_fp8") for f in ("fp4", "fp8") for t in (1, 3, 8, 16)
-                   for r in ("random", "dropped")]
-                + [("small", f, 64, "one_expert", "mma_fp8") for f in ("fp4", "fp8")]
-                + [("flash", f, t, "random", "mma_fp8") for f in ("fp4", "fp8") for t in (1, 8, 64)]
-                + [("pro", "fp4", 8, "random", "mma_fp8")])
+                + [("flash", f, 8, "random", "wgmma") for f in ("fp4", "fp8")])
 
 
 @pytest.mark.gpu

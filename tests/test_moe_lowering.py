@@ -47,13 +47,13 @@ def _kernel_supports(cfg, tokens):
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
     ("fp4", 1, ""), ("fp4", 16, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
-    ("fp4", 1, "mma_fp8"), ("fp8", 1, "mma_fp8")],
-    ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-fp8",
-         "fp8-decode-mma-fp8"])
+    ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync")],
+    ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-sync",
+         "fp8-decode-mma-sync"])
 def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
     monkeypatch.setenv(moe_op.ALGORITHM_ENV_VAR, algorithm)    # "": the default
-    algorithm = algorithm or ("mma_sync" if tokens == 1 else "wgmma")
+    algorithm = algorithm or ("mma_fp8" if tokens == 1 else "wgmma")   # the model simulates
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
     # Sparse attention on its reference: every custom call left is the MoE's.
