@@ -6,7 +6,8 @@ device copy for the achievable HBM bandwidth. Decode sizes also run the warp-lev
     source .device/setup.sh && python3 benchmarks/moe_kernel_ablation.py [TOKENS] [--warp-only]
 
 TOKENS: comma-separated token counts (default 1,8,64,4096); --warp-only: only the
-"mma_sync" variants (decode sizes).
+"mma_sync" variants (decode sizes). Prefill sizes also run "wgmma_fp8" (FP8 WGMMAs), its
+ablations and stage depths.
 """
 import dataclasses
 import sys
@@ -49,6 +50,11 @@ def main(token_counts=(1, 8, 64, 4096), warp_only=False):
                          for s in (3, 4, 6)]
         else:
             variants += [dataclasses.replace(base, block_n=64, num_stages=4)]
+            fp8 = ms.choose_config(xa.shape[0], E, "fp4", prefill_algorithm="wgmma_fp8",
+                                   k_in=2048)
+            variants += [fp8] + [dataclasses.replace(fp8, ablation=a)
+                                 for a in ("no_dequant", "no_mma")]
+            variants += [dataclasses.replace(fp8, num_stages=s) for s in (4, 5)]
         per_exp_up = (w1[0][0].nbytes + w1[1][0].nbytes) * 2
         for cfg in variants:
             order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)

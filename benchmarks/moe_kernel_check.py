@@ -3,6 +3,8 @@
     source .device/setup.sh && python3 benchmarks/moe_kernel_check.py
     source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_sync python3 benchmarks/moe_kernel_check.py
     source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_fp8 python3 benchmarks/moe_kernel_check.py
+    source .device/setup.sh && DSV4_MOE_PREFILL_ALGORITHM=wgmma_fp8 \
+        python3 benchmarks/moe_kernel_check.py --prefill      # prefill tiles only
 
 * exact decode: one-hot token rows read every weight back through the kernel (FP4, FP8,
   BF16 weights, scales over 2^-37..2^32): must equal the dequantised weights bit for bit;
@@ -12,6 +14,7 @@
   (down) alone; GB/s over the touched experts' bytes, useful TF/s 2 T k 3 d inter.
 """
 import functools
+import sys
 import time
 import numpy as np
 import dsv4_jax  # noqa: F401  (XLA flags)
@@ -71,20 +74,28 @@ def bench(fn, n=30):
 def launch(xs, sched, w, s, cfg, **kw):
     """``grouped_gemm_sm90`` on bf16 rows; "mma_fp8" takes them FP8-quantised (exact for the
     one-hot rows of ``check_decode_exact``, the simulation's numerics elsewhere)."""
-    if cfg.algorithm == "mma_fp8":
+    if cfg.algorithm in ms.FP8_ACTIVATION_ALGORITHMS:
         codes, scales = quant.act_quant(xs)
         return ms.grouped_gemm_sm90(codes, sched, w, s, x_scale=scales, config=cfg, **kw)
     return ms.grouped_gemm_sm90(xs, sched, w, s, config=cfg, **kw)
+
+def choose(rows, E, fmt, k_in, simulate=True):
+    """The op's config for these rows (algorithms from the environment, as the op reads)."""
+    return ms.choose_config(rows, E, fmt, ms.decode_algorithm(), fp8_activations=simulate,
+                            prefill_algorithm=ms.prefill_algorithm(), k_in=k_in)
 
 def check_decode_exact(fmt, decode_tiles):
     """One-hot rows read the dequantised weights back through the kernel: must be exact.
     ``decode_tiles``: the decode config (``DSV4_MOE_ALGORITHM``) instead of the prefill one."""
     E, N, K = 3, 128, 512
-    w, s = make_w(jax.random.key(1), E, N, K, fmt, 90, 160)
     A = 3 * K
+    cfg = choose(E if decode_tiles else A, E, fmt, K)
+    # "wgmma_fp8" folds a row's four FP4 scales of a K block into e4m3 codes: exact while
+    # they lie within 2^14 of each other (moe_sm90_fp8), so a narrower range there.
+    lo, hi = (106, 121) if cfg.algorithm == "wgmma_fp8" and fmt == "fp4" else (90, 160)
+    w, s = make_w(jax.random.key(1), E, N, K, fmt, lo, hi)
     ea = jnp.repeat(jnp.arange(3, dtype=jnp.int32), K)
     xs = jnp.tile(jnp.eye(K, dtype=jnp.bfloat16), (3, 1))
-    cfg = ms.choose_config(E if decode_tiles else A, E, fmt, ms.decode_algorithm())
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
     y = launch(xs[order], (order, *tiles), w, s, cfg)
     y = jnp.zeros_like(y).at[order].set(y)
@@ -114,7 +125,7 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
     # timing
     for _ in range(3): f(xa, ea, wa, w1, w3, w2).block_until_ready()
     t = bench(lambda: f(xa, ea, wa, w1, w3, w2))
-    cfg = ms.choose_config(xa.shape[0], E, fmt, ms.decode_algorithm(), fp8_activations=simulate)
+    cfg = choose(xa.shape[0], E, fmt, min(d, inter), simulate)
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
     xs = xa[order]; rws = wa[order]
     g1 = jax.jit(lambda xs, sched, w1, w3, rws: launch(xs, sched, *w1, cfg, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT))
@@ -130,7 +141,20 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
     print(f"{name:28s} T={T:6d} fmt={fmt} sim={int(simulate)} err={err} nan={nan} rep={rep} "
           f"t={t*1e6:8.1f}us up={t1*1e6:7.1f} down={t2*1e6:7.1f} experts={touched} {gbs:7.0f} GB/s ({gbs/4300*100:4.1f}%) {tfs:6.1f} TF/s")
 
-if __name__ == "__main__":
+def prefill_only():
+    """Prefill tiles: exactness, then Flash (FP4, FP8) and Pro sizes."""
+    for fmt in ("fp4", "fp8", "bf16"):
+        check_decode_exact(fmt, False)
+    run_case("small prefill", 1024, 4, 16, 512, 512, "fp4", True)
+    for T in (512, 4096):
+        run_case("flash prefill", T, 6, 256, 4096, 2048, "fp4", True)
+    run_case("flash prefill fp8", 4096, 6, 256, 4096, 2048, "fp8", True)
+    run_case("pro prefill", 4096, 6, 384, 7168, 3072, "fp4", True)
+
+if __name__ == "__main__" and "--prefill" in sys.argv:
+    print(jax.devices())
+    prefill_only()
+elif __name__ == "__main__":
     print(jax.devices())
     for fmt in ("fp4", "fp8", "bf16"):
         check_decode_exact(fmt, False)

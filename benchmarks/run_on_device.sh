@@ -5,6 +5,7 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe    # MoE: both algorithms
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_detail 8 mma_sync
 #       (gated-launch ablations, device-op traces of the op, Nsight Compute of one launch)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_prefill  # prefill tiles
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests general|decode [K]
 #       (the MoE op's GPU tests in two halves, one process: several processes on one GPU ran
 #        out of its memory at Pro dims; the decode half takes more than 10 min, so narrow it
@@ -37,6 +38,15 @@ if [[ $what == moe ]]; then
   done
   timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
     --out "$OUT/bench_moe.md" 2>&1 | grep -v Warning | tee "$OUT/bench_moe.log" | tail -12
+fi
+if [[ $what == moe_prefill ]]; then
+  # Prefill tiles: exactness + Flash/Pro timings per algorithm, then the ablations at 4096.
+  for alg in ${PREFILL_ALGORITHMS:-wgmma_fp8 wgmma}; do
+    DSV4_MOE_PREFILL_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 \
+      benchmarks/moe_kernel_check.py --prefill 2>&1 | grep -v Warning | tee "$OUT/moe_prefill_$alg.log"
+  done
+  (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py 4096 2>&1 \
+    | grep -v Warning | tee "$OUT/moe_ablation_prefill.log")
 fi
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 ncu_report() {  # $1: report name under $OUT; details, source-level stall table

@@ -52,21 +52,25 @@ import jax.numpy as jnp
 
 from dsv4_jax import quant
 from dsv4_jax.kernels.moe_sm90 import (ALGORITHMS, BLOCK_K, DEFAULT_DECODE_ALGORITHM,
-                                       MoeGemmSm90Config, choose_config, num_tile_slots,
-                                       warp_scale_group)
+                                       DEFAULT_PREFILL_ALGORITHM, FP8_ACTIVATION_ALGORITHMS,
+                                       PREFILL_ALGORITHMS, MoeGemmSm90Config, choose_config,
+                                       num_tile_slots, warp_scale_group)
 from .dispatch import cute_or_reference, select_implementation
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
            "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
-           "decode_algorithm", "moe_experts_cute", "sum_rows_per_token",
+           "decode_algorithm", "prefill_algorithm", "moe_experts_cute", "sum_rows_per_token",
            "weight_format", "moe_expert_rows_cute", "moe_schedule", "grouped_gemm_sm90"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
-# Kernel for decode-size inputs: "mma_sync" (default: warp-level MMAs on weights dequantised
-# in registers), "mma_fp8" (the same on FP8 tensor cores, FP4/FP8 weights with the FP8
-# simulation; not yet measured) or "wgmma" (the prefill kernel with 8-row tiles). Read at
-# trace time.
+# Kernel for decode-size inputs: "mma_fp8" (default: warp-level MMAs on FP8 tensor cores for
+# FP4/FP8 weights with the FP8 simulation, else "mma_sync"), "mma_sync" (warp-level bf16
+# MMAs on weights dequantised in registers), "wgmma" (the prefill kernel with 8-row tiles) or
+# "wgmma_fp8". Read at trace time.
 ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
+# Kernel for prefill-size inputs: "wgmma" (default) or "wgmma_fp8" (FP8 WGMMAs, FP4/FP8
+# weights with the FP8 simulation; opt-in until measured on a GPU). Read at trace time.
+PREFILL_ALGORITHM_ENV_VAR = "DSV4_MOE_PREFILL_ALGORITHM"
 _ACT_DTYPES = (jnp.bfloat16, jnp.float32)
 _PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _SCALE_DTYPES = (quant.E8M0_DTYPE, jnp.uint8, jnp.float32)
@@ -331,6 +335,25 @@ def decode_algorithm() -> str:
     return value
 
 
+def prefill_algorithm() -> str:
+    """The kernel algorithm for prefill-size inputs, from ``DSV4_MOE_PREFILL_ALGORITHM``."""
+    value = os.environ.get(PREFILL_ALGORITHM_ENV_VAR, "").strip() or DEFAULT_PREFILL_ALGORITHM
+    if value not in PREFILL_ALGORITHMS:
+        raise ValueError(f"{PREFILL_ALGORITHM_ENV_VAR}={value!r}: must be one of "
+                         f"{PREFILL_ALGORITHMS}")
+    return value
+
+
+def _choose_config(rows: int, num_experts: int, fmt: str, d: int, inter: int,
+                   simulate: bool) -> MoeGemmSm90Config:
+    """``choose_config`` with the environment's algorithms, for both launches (K = d, inter:
+    an FP8 WGMMA config only when both have an even number of K blocks)."""
+    both_even = (d // BLOCK_K) % 2 == 0 and (inter // BLOCK_K) % 2 == 0
+    return choose_config(rows, num_experts, fmt, decode_algorithm(),
+                         fp8_activations=simulate, prefill_algorithm=prefill_algorithm(),
+                         k_in=2 * BLOCK_K if both_even else BLOCK_K)
+
+
 def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:
     """Whether the Hopper kernel handles these arguments: ``(ok, reason)``; imports no cutlass."""
     fmts = {_kernel_weight_format(*w) for w in (w1, w3, w2)}
@@ -341,7 +364,7 @@ def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:
     num_experts, inter = w1[0].shape[0], w1[0].shape[1]
     if rows == 0:
         return False, "no rows"
-    config = choose_config(rows, num_experts, fmt, decode_algorithm())
+    config = _choose_config(rows, num_experts, fmt, d, inter, simulate=True)
     slots = num_tile_slots(rows, num_experts, config.block_n)
     for gated, n_out, k_in in ((True, inter, d), (False, d, inter)):
         ok, why = config.is_supported(weight_format=fmt, gated=gated, n_out=n_out, k_in=k_in,
@@ -395,12 +418,12 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
                       config: MoeGemmSm90Config) -> jax.Array:
     """One launch: sorted rows ``xs`` [A, K] bf16 times their experts' ``weight`` [E, N, .]
     -> [A, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue). Rows
-    outside every tile are left unwritten. Algorithm "mma_fp8": ``xs`` are e4m3 codes and
-    ``x_scale`` [A, K / 128] f32 their scales (``quant.act_quant``)."""
+    outside every tile are left unwritten. Algorithms "mma_fp8", "wgmma_fp8": ``xs`` are e4m3
+    codes and ``x_scale`` [A, K / 128] f32 their scales (``quant.act_quant``)."""
     # Imported when a kernel is emitted, so that the reference path never loads cutlass;
     # cute_call first: it pins CUTE_DSL_ARCH before cutlass is imported.
     from .cute_call import cute_call
-    from dsv4_jax.kernels import moe_sm90_kernel as kernel
+    from dsv4_jax.kernels import moe_sm90_launch as kernel
 
     _, tile_expert, tile_row0, tile_rows = schedule
     fmt = _kernel_weight_format(weight, scale)
@@ -408,11 +431,11 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
     w_a, s_a = _as_bytes(weight, scale)
     w_b, s_b = _as_bytes(weight_b, scale_b) if gated else (w_a, s_a)
     rw = route_w.astype(jnp.float32) if gated else jnp.zeros((1,), jnp.float32)
-    fp8_x = config.algorithm == "mma_fp8"
+    fp8_x = config.algorithm in FP8_ACTIVATION_ALGORITHMS
     if fp8_x != (x_scale is not None) or fp8_x != (xs.dtype == jnp.float8_e4m3fn):
         raise ValueError(f"grouped_gemm_sm90: algorithm {config.algorithm!r} with xs "
                          f"{xs.dtype} and x_scale {None if x_scale is None else x_scale.shape}"
-                         f" (e4m3 codes + scales for 'mma_fp8' only)")
+                         f" (e4m3 codes + scales for {FP8_ACTIVATION_ALGORITHMS} only)")
     if fp8_x:
         xs = jax.lax.bitcast_convert_type(xs, jnp.uint8)
         x_scale = x_scale.astype(jnp.float32)
@@ -433,8 +456,8 @@ def _sorted_rows_cute(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simula
     ``x[source_row[a]]`` (``source_row`` None: ``x[a]``). Returns ``order`` and the sorted
     rows' outputs ``[A, d]`` bf16 (rows of dropped ids are zero)."""
     num_experts = w1[0].shape[0]
-    config = config or choose_config(ea.shape[0], num_experts, _kernel_weight_format(*w1),
-                                     decode_algorithm(), fp8_activations=simulate)
+    config = config or _choose_config(ea.shape[0], num_experts, _kernel_weight_format(*w1),
+                                      x.shape[1], w1[0].shape[1], simulate)
     order, valid_sorted, *tiles = moe_schedule(ea, num_experts, config.block_n)
     schedule = (order, *tiles)
     rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
@@ -442,7 +465,7 @@ def _sorted_rows_cute(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simula
     # The FP8 simulation quantises each row on its own, so it commutes with the gather:
     # quantise the (fewer) source rows, then gather. "mma_fp8" takes the e4m3 codes and
     # scales themselves, the other kernels their exact bf16 products.
-    if config.algorithm == "mma_fp8":
+    if config.algorithm in FP8_ACTIVATION_ALGORITHMS:
         codes, scales = quant.act_quant(x)
         h = grouped_gemm_sm90(codes[rows], schedule, *w1, weight_b=w3[0], scale_b=w3[1],
                               route_w=rw, swiglu_limit=swiglu_limit, x_scale=scales[rows],

@@ -5,7 +5,9 @@ Three algorithms compute the same grouped expert GEMM (same launcher, same outpu
 shared memory, WGMMA), ``"mma_sync"`` (``moe_sm90_warp``: every warp streams its own 16
 weight rows, dequantises them in registers and runs warp-level bf16 MMAs -- for decode
 tiles) and ``"mma_fp8"`` (``moe_sm90_warp_fp8``: as ``mma_sync`` on FP8 tensor cores, for
-FP4/FP8 weights with the FP8 activation simulation -- decode tiles, not yet measured).
+FP4/FP8 weights with the FP8 activation simulation -- decode tiles). ``"wgmma_fp8"``
+(``moe_sm90_fp8``: "wgmma" on FP8 WGMMAs with the FP4 scales folded into e4m3 codes -- prefill
+tiles, FP4/FP8 weights, simulation on; opt-in, not yet run on a GPU).
 
 The JAX side consults ``MoeGemmSm90Config.is_supported`` before it imports CuTe DSL at all.
 """
@@ -20,8 +22,12 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
-ALGORITHMS = ("wgmma", "mma_sync", "mma_fp8")
+ALGORITHMS = ("wgmma", "mma_sync", "mma_fp8", "wgmma_fp8")
 WARP_ALGORITHMS = ("mma_sync", "mma_fp8")
+PREFILL_ALGORITHMS = ("wgmma", "wgmma_fp8")
+# Algorithms that take e4m3 token codes + per-128 scales (quant.act_quant) instead of bf16.
+FP8_ACTIVATION_ALGORITHMS = ("mma_fp8", "wgmma_fp8")
+FP8_WGMMA_MAX_BLOCK_N = 64     # registers: 2 x 2 block accumulators + 2 accumulators
 # "mma_sync": 4 warps per CTA, 16 weight rows each (the MMA's M); lane 4g + t holds rows g
 # and g + 8 and, of every K block of 128, the 32 columns [32t, 32t + 32) (one FP4 scale
 # block), 8 per MMA step i: columns 32t + 8i .. 32t + 8i + 7 (``warp_lane_columns``).
@@ -69,8 +75,12 @@ class MoeGemmSm90Config:
         if self.algorithm in WARP_ALGORITHMS and self.block_n != WARP_TOKENS:
             raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes block_n "
                              f"{WARP_TOKENS}, got {self.block_n}")
-        allowed = {"mma_sync": self.WARP_ABLATIONS, "mma_fp8": ("",)}.get(self.algorithm,
-                                                                        self.ABLATIONS)
+        if self.algorithm == "wgmma_fp8" and self.block_n > FP8_WGMMA_MAX_BLOCK_N:
+            raise ValueError(f"MoeGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
+                             f"{FP8_WGMMA_MAX_BLOCK_N}, got {self.block_n}")
+        allowed = {"mma_sync": self.WARP_ABLATIONS, "mma_fp8": ("",),
+                   "wgmma_fp8": ("", "no_dequant", "no_mma")}.get(self.algorithm,
+                                                                   self.ABLATIONS)
         if self.ablation not in allowed:
             raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes ablation "
                              f"in {allowed}, got {self.ablation!r}")
@@ -81,6 +91,10 @@ class MoeGemmSm90Config:
             return warp_smem_bytes(weight_format, gated, self.num_stages)
         if self.algorithm == "mma_fp8":
             return fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
+        if self.algorithm == "wgmma_fp8":        # per stage, bytes (moe_sm90_fp8)
+            stage = (mats * BLOCK_M * (ROW_BYTES[weight_format] + BLOCK_K + 4 + 8)
+                     + self.block_n * (BLOCK_K + 4))
+            return self.num_stages * stage + 3072
         raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4
         x_tile = self.block_n * BLOCK_K * 2
         dequant = 2 * mats * BLOCK_M * BLOCK_K * 2        # double-buffered bf16 A tiles
@@ -93,8 +107,11 @@ class MoeGemmSm90Config:
             return False, f"weight format {weight_format!r} (one of {WEIGHT_FORMATS})"
         if x_dtype != "bfloat16":
             return False, f"activation dtype {x_dtype} (the kernel is bf16 only)"
-        if self.algorithm == "mma_fp8" and weight_format == "bf16":
-            return False, "weight format 'bf16' (algorithm 'mma_fp8' takes fp4/fp8)"
+        if self.algorithm in FP8_ACTIVATION_ALGORITHMS and weight_format == "bf16":
+            return False, f"weight format 'bf16' (algorithm {self.algorithm!r} takes fp4/fp8)"
+        if self.algorithm == "wgmma_fp8" and (k_in // BLOCK_K) % 2:
+            return False, (f"input features {k_in} (algorithm 'wgmma_fp8' needs an even "
+                           f"number of {BLOCK_K}-column blocks)")
         if self.block_n % 8 or not 8 <= self.block_n <= (128 if gated else 256):
             return False, f"block_n {self.block_n} (a multiple of 8, <= {128 if gated else 256})"
         if n_out % BLOCK_M:
@@ -217,24 +234,38 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
 DEFAULT_DECODE_ALGORITHM = "mma_fp8"
 
 
+# Prefill tiles' algorithm unless told otherwise ("wgmma_fp8": opt-in until measured).
+DEFAULT_PREFILL_ALGORITHM = "wgmma"
+PREFILL_FP8_CONFIG = MoeGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_stages=6,
+                                       algorithm="wgmma_fp8")
+
+
 def choose_config(num_rows: int, num_experts: int, weight_format: str,
                   decode_algorithm: str = DEFAULT_DECODE_ALGORITHM,
-                  fp8_activations: bool = True) -> MoeGemmSm90Config:
+                  fp8_activations: bool = True,
+                  prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
+                  k_in: int | None = None) -> MoeGemmSm90Config:
     """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
-    Decode tiles run ``decode_algorithm``; prefill tiles always WGMMA. "mma_fp8" needs FP4/FP8
-    weights and FP8-quantised activations (``fp8_activations``: the simulation is on), else
-    decode tiles run "mma_sync".
+    Decode tiles run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8
+    algorithms ("mma_fp8", "wgmma_fp8") need FP4/FP8 weights and FP8-quantised activations
+    (``fp8_activations``: the simulation is on), else they become "mma_sync" / "wgmma";
+    "wgmma_fp8" also an even number of K blocks in ``k_in`` (when given).
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
     more bytes in flight; 6 vs 4 stages: 39.8 vs 45.0 us for the Flash T = 1 gated launch
     on an H200), else 4; fewer while two CTAs would not fit in an SM."""
-    if decode_algorithm not in ALGORITHMS:
-        raise ValueError(f"choose_config: decode_algorithm must be one of {ALGORITHMS}, "
-                         f"got {decode_algorithm!r}")
+    for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
+                                 ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
+        if value not in allowed:
+            raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
     decode = num_rows <= 4 * num_experts
-    if decode_algorithm == "mma_fp8" and (weight_format == "bf16" or not fp8_activations):
+    fp8_ok = weight_format != "bf16" and fp8_activations
+    if decode_algorithm == "mma_fp8" and not fp8_ok:
         decode_algorithm = "mma_sync"
+    if not fp8_ok or (k_in is not None and (k_in // BLOCK_K) % 2):
+        decode_algorithm = "wgmma" if decode_algorithm == "wgmma_fp8" else decode_algorithm
+        prefill_algorithm = "wgmma"
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
@@ -243,7 +274,13 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         return config
-    config = DECODE_CONFIG if decode else PREFILL_CONFIG
+    algorithm = decode_algorithm if decode else prefill_algorithm
+    if algorithm == "wgmma_fp8":
+        config = PREFILL_FP8_CONFIG
+        if decode:
+            config = dataclasses.replace(config, block_n=DECODE_CONFIG.block_n)
+    else:
+        config = DECODE_CONFIG if decode else PREFILL_CONFIG
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:

@@ -2,7 +2,8 @@
 
 FP4 e2m1 and FP8 e4m3 codes become exact bf16 values times an E8M0 block scale in a few
 integer instructions (``tests/test_kernels_moe_sm90.py`` replays both on every code);
-``fp4x8_to_e4m3x8`` makes FP4 codes FP8 tensor-core operands; ``mma_m16n8k16_bf16`` and
+``fp4x8_to_e4m3x8`` makes FP4 codes FP8 tensor-core operands (``fp4x8_to_e4m3x8_table``
+with ``e4m3_fold_table``: with a power-of-two factor folded in); ``mma_m16n8k16_bf16`` and
 ``mma_m16n8k32_e4m3`` are the warp-level tensor-core MMAs with their PTX fragment layouts;
 ``copy_bytes`` is one cp.async of raw bytes; ``gated_output`` is the SwiGLU epilogue.
 """
@@ -121,6 +122,75 @@ def fp4x8_to_e4m3x8(word: Int32, *, loc=None, ip=None):
     res = _asm(2, [word], text, "=r,=r,r", loc, ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
                  for i in range(2))
+
+
+@dsl_user_op
+def e4m3_fold_table(factor: Float32, *, loc=None, ip=None):
+    """The 8 e2m1 magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6) times ``factor`` (a power of two) as
+    e4m3 bytes, round-to-nearest, in two words (bytes 0-3, 4-7): the ``prmt`` table of
+    ``fp4x8_to_e4m3x8_table``. Exact while every product is an e4m3 value (factor in
+    [2^-8, 2^6]); 11 instructions per table, i.e. per 32 codes."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2),
+        [Float32(factor).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .f32 z, v1, v3, v4, v5, v6, v7;\n.reg .b16 p0, p1, p2, p3;\n"
+        "mov.f32 z, 0f00000000;\n"
+        "mul.f32 v1, $2, 0f3F000000;\n"
+        "mul.f32 v3, $2, 0f3FC00000;\n"
+        "add.f32 v4, $2, $2;\n"
+        "mul.f32 v5, $2, 0f40400000;\n"
+        "mul.f32 v6, $2, 0f40800000;\n"
+        "mul.f32 v7, $2, 0f40C00000;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 p0, v1, z;\n"       # a -> upper byte, b -> lower byte
+        "cvt.rn.satfinite.e4m3x2.f32 p1, v3, $2;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 p2, v5, v4;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 p3, v7, v6;\n"
+        "mov.b32 $0, {p0, p1};\n"
+        "mov.b32 $1, {p2, p3};\n}",
+        "=r,=r,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+@dsl_user_op
+def fp4x8_to_e4m3x8_table(word: Int32, table_lo: Int32, table_hi: Int32, *, loc=None,
+                          ip=None):
+    """Eight packed e2m1 codes (low nibble first) -> two words of four e4m3 codes in order
+    (codes 0-3, 4-7), each looked up in an 8-byte magnitude table (``e4m3_fold_table``) --
+    so the per-32 FP4 scale can be folded into the codes -- with the code's sign.
+
+    Per 4 codes: one ``prmt`` looks the magnitudes up (selector: the codes without their
+    sign bits), one ``prmt`` in sign-replicate mode over 0x80 bytes gives 0x80 for a positive
+    code and 0xFF for a negative one, whose bit 0 a shift moves to bit 7 and one ``lop3``
+    ORs in. 11 integer instructions per 8 codes."""
+    text = (
+        "{\n.reg .b32 m, mh, wh, c, r, k;\n"
+        "mov.b32 k, 0x80808080;\n"
+        "and.b32 m, $2, 0x77777777;\n"
+        "prmt.b32 c, $3, $4, m;\n"
+        "prmt.b32 r, k, k, $2;\n"
+        "shl.b32 r, r, 7;\n"
+        "lop3.b32 $0, c, r, 0x80808080, 0xF8;\n"        # c | (r & 0x80808080)
+        "shr.u32 mh, m, 16;\n"
+        "shr.u32 wh, $2, 16;\n"
+        "prmt.b32 c, $3, $4, mh;\n"
+        "prmt.b32 r, k, k, wh;\n"
+        "shl.b32 r, r, 7;\n"
+        "lop3.b32 $1, c, r, 0x80808080, 0xF8;\n}")
+    res = _asm(2, [word, table_lo, table_hi], text, "=r,=r,r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+@dsl_user_op
+def fence_f32(value: Float32, *, loc=None, ip=None) -> Float32:
+    """``value`` through an empty volatile asm: the compiler may not move its uses above
+    the side-effecting instructions before it (e.g. a ``wgmma.wait_group``), so ptxas sees
+    no read of a WGMMA accumulator that may still be in flight (which it would serialize)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)], "",
+                                   "=f,0", has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 @dsl_user_op

@@ -48,12 +48,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import cp_async_arrive
-from .moe_sm90 import (BLOCK_K, BLOCK_M, DECODE_CONFIG, PREFILL_CONFIG,  # noqa: F401
-                       ROW_BYTES, MoeGemmSm90Config, choose_config, num_tile_slots)
+from .moe_sm90 import BLOCK_K, BLOCK_M, ROW_BYTES, MoeGemmSm90Config
 from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output)
-from .moe_sm90_warp import MoeGemmWarpSm90
-from .moe_sm90_warp_fp8 import MoeGemmWarpFp8Sm90
 
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
 DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
@@ -73,7 +70,8 @@ class MoeGemmSm90:
         self.num_stages = config.num_stages
         self.ablation = config.ablation
         self.row_bytes = ROW_BYTES[weight_format]
-        self.dtype = cutlass.BFloat16
+        self.dtype = cutlass.BFloat16          # the WGMMA operands in shared memory
+        self.out_dtype = cutlass.BFloat16
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -340,39 +338,6 @@ class MoeGemmSm90:
             if n < rows:
                 if const_expr(self.gated):
                     h = gated_output(acc_a[i], acc_b[i], mRw[row0 + n], self.swiglu_limit)
-                    mOut[row0 + n, col0 + m] = h.to(self.dtype)
+                    mOut[row0 + n, col0 + m] = h.to(self.out_dtype)
                 else:
-                    mOut[row0 + n, col0 + m] = acc_a[i].to(self.dtype)
-
-
-@cute.jit
-def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.Tensor,
-                      tile_row0: cute.Tensor, tile_rows: cute.Tensor, w_a: cute.Tensor,
-                      s_a: cute.Tensor, w_b: cute.Tensor, s_b: cute.Tensor,
-                      route_w: cute.Tensor, x_scale: cute.Tensor, out: cute.Tensor, *,
-                      weight_format: cutlass.Constexpr, gated: cutlass.Constexpr,
-                      swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
-                      num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = "",
-                      algorithm: cutlass.Constexpr = "wgmma",
-                      scale_group: cutlass.Constexpr = 1):
-    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config); the
-    config's ``algorithm`` picks this module's WGMMA kernel, ``moe_sm90_warp``'s or
-    ``moe_sm90_warp_fp8``'s; the warp kernels also take ``scale_group``
-    (``moe_sm90.warp_scale_group`` of the input features). ``x_scale``: "mma_fp8" reads ``x``
-    as e4m3 codes [rows, K] (uint8) and these f32 scales [rows, K / 128]; the others read
-    bf16 ``x`` and ignore it."""
-    config = MoeGemmSm90Config(block_n=block_n, num_stages=num_stages, ablation=ablation,
-                               algorithm=algorithm)
-    if const_expr(algorithm == "wgmma"):
-        MoeGemmSm90(weight_format, gated, swiglu_limit, config)(
-            x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
-    else:
-        kernel_class = MoeGemmWarpFp8Sm90 if const_expr(algorithm == "mma_fp8") else (
-            MoeGemmWarpSm90)
-        kernel_class(weight_format, gated, swiglu_limit, config, scale_group)(
-            x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, x_scale, out,
-            stream)
-
-
-__all__ = ["MoeGemmSm90", "MoeGemmWarpSm90", "MoeGemmWarpFp8Sm90", "MoeGemmSm90Config", "moe_gemm_launcher",
-           "choose_config", "num_tile_slots", "DECODE_CONFIG", "PREFILL_CONFIG"]
+                    mOut[row0 + n, col0 + m] = acc_a[i].to(self.out_dtype)

@@ -18,7 +18,7 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
 
-from dsv4_jax.kernels import moe_sm90_kernel as kernel  # noqa: E402
+from dsv4_jax.kernels import moe_sm90_launch as kernel  # noqa: E402
 
 
 def _prmt(a: int, b: int, selector: int) -> int:
@@ -429,7 +429,7 @@ def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
                "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
                "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
     slots = dyn(support.num_tile_slots(a, e, config.block_n))
-    fp8_x = config.algorithm == "mma_fp8"       # e4m3 codes + f32 scales per 128 columns
+    fp8_x = config.algorithm in support.FP8_ACTIVATION_ALGORITHMS   # e4m3 codes + f32 scales
     x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
     x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
     return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), x,

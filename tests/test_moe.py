@@ -369,6 +369,33 @@ def test_cute_matches_the_reference_without_simulation(fmt):
     check_implementation("cute", "flash", fmt, 64, "random", simulate=False)
 
 
+# "wgmma_fp8" prefill tiles (FP8 WGMMAs, opt-in): run alone with -k wgmma_fp8.
+PREFILL_FP8_CASES = ([("small", f, t, r) for f in ("fp4", "fp8") for t in (64, 4096)
+                      for r in ("random", "dropped")]
+                     + [("small", "fp4", 4096, "one_expert"), ("small", "fp8", 512, "few_experts")]
+                     + [("flash", f, 4096, "random") for f in ("fp4", "fp8")]
+                     + [("pro", "fp4", 4096, "random")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, fmt, t, routing", PREFILL_FP8_CASES)
+def test_wgmma_fp8_prefill_matches_the_reference(monkeypatch, dims, fmt, t, routing):
+    e, _, _, k = DIMS[dims]
+    assert t * (1 if routing == "one_expert" else k) > 4 * e, "not a prefill-size case"
+    monkeypatch.setenv(op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
+    check_implementation("cute", dims, fmt, t, routing)
+
+
+def test_prefill_algorithm_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(op.PREFILL_ALGORITHM_ENV_VAR, raising=False)
+    assert op.prefill_algorithm() == "wgmma"
+    monkeypatch.setenv(op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
+    assert op.prefill_algorithm() == "wgmma_fp8"
+    monkeypatch.setenv(op.PREFILL_ALGORITHM_ENV_VAR, "mma_sync")
+    with pytest.raises(ValueError, match="DSV4_MOE_PREFILL_ALGORITHM='mma_sync'"):
+        op.prefill_algorithm()
+
+
 def test_decode_algorithm_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(op.ALGORITHM_ENV_VAR, raising=False)
     assert op.decode_algorithm() == "mma_fp8"

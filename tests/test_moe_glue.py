@@ -17,7 +17,12 @@ LIMIT = 10.0
 
 
 def emulated_grouped_gemm(xs, schedule, weight, scale, *, weight_b=None, scale_b=None,
-                          route_w=None, swiglu_limit=0.0, config):
+                          route_w=None, swiglu_limit=0.0, x_scale=None, config):
+    """The kernel's arithmetic in XLA; the FP8-activation algorithms take e4m3 codes and
+    their per-128 scales, whose products are exactly the simulation's bf16 rows."""
+    if x_scale is not None:
+        xs = (xs.astype(jnp.float32) * jnp.repeat(x_scale, op.BLOCK_K, axis=1)
+              ).astype(jnp.bfloat16)
     _, tile_expert, tile_row0, tile_rows = schedule
     rows = xs.shape[0]
     lane = jnp.arange(config.block_n)

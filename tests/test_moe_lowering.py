@@ -12,9 +12,9 @@ from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 # The kernel classes, named in their ELF: kernels/moe_sm90_kernel.py, kernels/moe_sm90_warp.py,
-# kernels/moe_sm90_warp_fp8.py.
+# kernels/moe_sm90_warp_fp8.py, kernels/moe_sm90_fp8.py.
 MOE_KERNEL = {"wgmma": "MoeGemmSm90", "mma_sync": "MoeGemmWarpSm90",
-              "mma_fp8": "MoeGemmWarpFp8Sm90"}
+              "mma_fp8": "MoeGemmWarpFp8Sm90", "wgmma_fp8": "MoeGemmFp8Sm90"}
 BATCH = 2
 
 
@@ -63,6 +63,20 @@ def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens, 
     assert not [name for alg, name in MOE_KERNEL.items() if alg != algorithm and name in text]
     monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla,moe=xla")
     assert CUSTOM_CALL not in _lower(cfg, tokens)
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(monkeypatch, expert_dtype):
+    """``DSV4_MOE_PREFILL_ALGORITHM=wgmma_fp8``: the prefill step's MoE runs the FP8 WGMMA
+    kernel (input features of 512 and 512: even numbers of 128-column blocks)."""
+    cfg = dj.Config.tiny(quantized=True, expert_dtype=expert_dtype, dim=512, moe_inter_dim=512)
+    monkeypatch.setenv(moe_op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
+    monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
+    ok, why = _kernel_supports(cfg, 16)
+    assert ok, why
+    text = _lower(cfg, 16)
+    assert MOE_KERNEL["wgmma_fp8"] in text
+    assert not [name for alg, name in MOE_KERNEL.items() if alg != "wgmma_fp8" and name in text]
 
 
 def test_model_step_lowered_for_cpu_has_no_kernel(monkeypatch):
