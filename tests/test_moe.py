@@ -252,7 +252,9 @@ DIMS = {"tiny": (8, 256, 128, 2),                  # E, d, inter, k: CPU runs of
 
 @functools.lru_cache(maxsize=1)
 def _device_weights(dims, fmt, seed=0):
-    """Random stacked weights generated on the device (no host transfer of GBs)."""
+    """Random stacked weights generated on the device (no host transfer of GBs), as bytes
+    where the format is bytes: at Pro dims an f32 intermediate of one matrix is 34 GB and
+    took most of a case's time."""
     e, d, inter, _ = DIMS[dims]
     keys = jax.random.split(jax.random.key(seed), 6)
     out = {}
@@ -260,17 +262,21 @@ def _device_weights(dims, fmt, seed=0):
                                         ("w2", (d, inter)))):
         kw, ks = keys[2 * j], keys[2 * j + 1]
         if fmt == "fp4":
-            w = jax.random.randint(kw, (e, o, i // 2), -128, 128, jnp.int32).astype(jnp.int8)
+            w = jax.lax.bitcast_convert_type(jax.random.bits(kw, (e, o, i // 2), jnp.uint8),
+                                             jnp.int8)
             s = jnp.exp2(jax.random.randint(ks, (e, o, i // 32), -7, -4).astype(jnp.float32))
             out[name] = (w, s.astype(quant.E8M0_DTYPE))
         elif fmt == "fp8":
-            w = jnp.clip(jax.random.normal(kw, (e, o, i)) * 64, -448, 448).astype(quant.FP8_DTYPE)
-            s = jnp.exp2(jax.random.randint(ks, (e, o // 128, i // 128), -13, -10).astype(
+            # Every e4m3 code but NaN (S.1111.111 -> S.1111.110 = +-448).
+            w = jax.random.bits(kw, (e, o, i), jnp.uint8)
+            w = jnp.where((w & 0x7F) == 0x7F, w ^ 1, w)
+            s = jnp.exp2(jax.random.randint(ks, (e, o // 128, i // 128), -16, -13).astype(
                 jnp.float32))
-            out[name] = (w, s.astype(quant.E8M0_DTYPE))
+            out[name] = (jax.lax.bitcast_convert_type(w, quant.FP8_DTYPE),
+                         s.astype(quant.E8M0_DTYPE))
         else:
-            out[name] = ((jax.random.normal(kw, (e, o, i)) * i ** -0.5).astype(jnp.bfloat16),
-                         None)
+            out[name] = ((jax.random.normal(kw, (e, o, i), jnp.bfloat16) * i ** -0.5
+                          ).astype(jnp.bfloat16), None)
     return out
 
 
