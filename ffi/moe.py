@@ -419,7 +419,9 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
     """One launch: sorted rows ``xs`` [A, K] bf16 times their experts' ``weight`` [E, N, .]
     -> [A, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue). Rows
     outside every tile are left unwritten. Algorithms "mma_fp8", "wgmma_fp8": ``xs`` are e4m3
-    codes and ``x_scale`` [A, K / 128] f32 their scales (``quant.act_quant``)."""
+    codes and ``x_scale`` [A, K / 128] f32 their scales (``quant.act_quant``). A K split
+    (``config.split_k`` > 1) adds the kernel's f32 partial sums here, then rounds (and gates,
+    with the kernel epilogue's rounding points) in XLA."""
     # Imported when a kernel is emitted, so that the reference path never loads cutlass;
     # cute_call first: it pins CUTE_DSL_ARCH before cutlass is imported.
     from .cute_call import cute_call
@@ -441,14 +443,22 @@ def grouped_gemm_sm90(xs, schedule, weight, scale, *, weight_b=None, scale_b=Non
         x_scale = x_scale.astype(jnp.float32)
     else:
         x_scale = jnp.zeros((1,), jnp.float32)
-    out = jax.ShapeDtypeStruct((xs.shape[0], weight.shape[1]), jnp.bfloat16)
+    n_out, split = weight.shape[1], config.split_k
+    out = (jax.ShapeDtypeStruct((xs.shape[0], n_out), jnp.bfloat16) if split == 1 else
+           jax.ShapeDtypeStruct((split, xs.shape[0], (2 if gated else 1) * n_out), jnp.float32))
     (y,) = cute_call(kernel.moe_gemm_launcher, (out,), xs, tile_expert, tile_row0,
                      tile_rows, w_a, s_a, w_b, s_b, rw, x_scale, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
                      block_n=config.block_n, num_stages=config.num_stages,
                      ablation=config.ablation, algorithm=config.algorithm,
-                     scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K))
-    return y
+                     scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K), split_k=split)
+    if split == 1:
+        return y
+    y = jnp.sum(y, axis=0)              # a fixed-order reduction: repeatable bit for bit
+    if not gated:
+        return y.astype(jnp.bfloat16)
+    gate, up = y[:, :n_out].astype(jnp.bfloat16), y[:, n_out:].astype(jnp.bfloat16)
+    return (rw[:, None] * swiglu(gate, up, swiglu_limit)).astype(jnp.bfloat16)
 
 
 def _sorted_rows_cute(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, config):

@@ -53,6 +53,10 @@ class MoeGemmSm90Config:
     block_n: int = 8
     num_stages: int = 8
     algorithm: str = "wgmma"
+    # Warp algorithms: K split over this many CTAs per tile (grid z), each writing f32 partial
+    # sums [split_k, rows, mats * N] that the op adds (and gates) in XLA: at T = 1-2 a tile's
+    # K blocks one after another bound the launch, not the bytes.
+    split_k: int = 1
     # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
     # weight bytes fetched only for the first stages, "no_dequant", "no_mma"; "mma_sync"
     # also: "no_token_load" / "no_scale_load" as no_load for the token rows / scales);
@@ -75,6 +79,10 @@ class MoeGemmSm90Config:
         if self.algorithm in WARP_ALGORITHMS and self.block_n != WARP_TOKENS:
             raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes block_n "
                              f"{WARP_TOKENS}, got {self.block_n}")
+        if self.split_k < 1 or (self.split_k > 1 and self.algorithm not in WARP_ALGORITHMS):
+            raise ValueError(f"MoeGemmSm90Config: split_k must be >= 1, and 1 unless the "
+                             f"algorithm is one of {WARP_ALGORITHMS}; got {self.split_k} with "
+                             f"{self.algorithm!r}")
         if self.algorithm == "wgmma_fp8" and self.block_n > FP8_WGMMA_MAX_BLOCK_N:
             raise ValueError(f"MoeGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
                              f"{FP8_WGMMA_MAX_BLOCK_N}, got {self.block_n}")
@@ -234,6 +242,20 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
 DEFAULT_DECODE_ALGORITHM = "mma_fp8"
 
 
+# K split of the warp kernels for at most 2 tiles of rows (T = 1-2 tokens at k = 6):
+# Flash T = 1 has 192 gated CTAs of 32 K blocks; 4 splits make 768 CTAs of 8.
+SPLIT_K_FEW_ROWS = 4
+
+
+def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
+    """K blocks per split: ceil(num_k / split_k) rounded up to whole scale groups (a split
+    starts a scale group, the unit of the warp kernels' scale copies); the last split may
+    get fewer, or none. Non-negative arithmetic only: ``num_k`` is a device value in the
+    kernels, whose integer division truncates."""
+    per = (num_k + split_k - 1) // split_k
+    return (per + scale_group - 1) // scale_group * scale_group
+
+
 # Prefill tiles' algorithm unless told otherwise ("wgmma_fp8": opt-in until measured).
 DEFAULT_PREFILL_ALGORITHM = "wgmma"
 PREFILL_FP8_CONFIG = MoeGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_stages=6,
@@ -254,7 +276,8 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
     more bytes in flight; 6 vs 4 stages: 39.8 vs 45.0 us for the Flash T = 1 gated launch
-    on an H200), else 4; fewer while two CTAs would not fit in an SM."""
+    on an H200) and K split ``SPLIT_K_FEW_ROWS`` ways, else 4 stages; fewer while two CTAs
+    would not fit in an SM."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
@@ -269,7 +292,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
-            config = dataclasses.replace(config, num_stages=6)
+            config = dataclasses.replace(config, num_stages=6, split_k=SPLIT_K_FEW_ROWS)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -24,13 +24,14 @@ def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.T
                       swiglu_limit: cutlass.Constexpr, block_n: cutlass.Constexpr,
                       num_stages: cutlass.Constexpr, ablation: cutlass.Constexpr = "",
                       algorithm: cutlass.Constexpr = "wgmma",
-                      scale_group: cutlass.Constexpr = 1):
+                      scale_group: cutlass.Constexpr = 1, split_k: cutlass.Constexpr = 1):
     """(stream, *inputs, *outputs, **static config). The warp kernels also take
     ``scale_group`` (``moe_sm90.warp_scale_group`` of the input features). ``x_scale``: the
     FP8-activation algorithms ("mma_fp8", "wgmma_fp8") read ``x`` as e4m3 codes [rows, K]
-    (uint8) and these f32 scales [rows, K / 128]; the others read bf16 ``x`` and ignore it."""
+    (uint8) and these f32 scales [rows, K / 128]; the others read bf16 ``x`` and ignore it.
+    ``split_k`` > 1 (warp kernels): ``out`` is f32 [split_k, rows, mats * N] partial sums."""
     config = MoeGemmSm90Config(block_n=block_n, num_stages=num_stages, ablation=ablation,
-                               algorithm=algorithm)
+                               algorithm=algorithm, split_k=split_k)
     if const_expr(algorithm == "wgmma"):
         MoeGemmSm90(weight_format, gated, swiglu_limit, config)(
             x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)

@@ -37,6 +37,11 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
 3. Epilogue from the accumulator fragments: rows g, g + 8 (output features), tokens
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
 
+K split (``config.split_k`` > 1, grid z; the op takes it for at most two tiles of rows):
+CTA z runs K blocks [z p, z p + p) (``moe_sm90.split_k_blocks``: whole scale groups) and
+writes its raw f32 sums ``out[z, row, mat * N + n]``; the op adds the splits and applies
+the SwiGLU in XLA.
+
 Constraints: as the WGMMA kernel (K a multiple of 128, output features of 64, FP8 scale
 words of 4 bytes), block_n = 8, and ``scale_group`` = ``warp_scale_group`` of the input
 features (a launcher argument: K itself is a runtime value).
@@ -51,7 +56,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from .moe_sm90 import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
-                       MoeGemmSm90Config, warp_lane_columns, warp_lane_weight_byte,
+                       MoeGemmSm90Config, split_k_blocks, warp_lane_columns,
+                       warp_lane_weight_byte,
                        warp_scale_buffers, warp_smem_bytes,
                        warp_token_unit, warp_weight_slots)
 from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
@@ -72,6 +78,7 @@ class MoeGemmWarpSm90:
         self.swiglu_limit = float(swiglu_limit)
         self.num_stages = config.num_stages
         self.ablation = config.ablation
+        self.split_k = config.split_k
         self.row_bytes = ROW_BYTES[weight_format]
         self.lane_bytes = self.row_bytes // 4          # per row and K block, per lane
         self.chunks = self.lane_bytes // 16            # 16 B cp.async per row
@@ -102,9 +109,9 @@ class MoeGemmWarpSm90:
             ring: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, total], 128]
 
         self.shared_storage = SharedStorage
-        n_out = mOut.shape[1]
+        n_out = mWa.shape[1]
         self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mXs,
-                    mOut).launch(grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
+                    mOut).launch(grid=[n_out // BLOCK_M, mTileExpert.shape[0], self.split_k],
                                  block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device
@@ -113,7 +120,7 @@ class MoeGemmWarpSm90:
                mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
                mSb: cute.Tensor, mRw: cute.Tensor, mXs: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        m_tile, slot, _ = cute.arch.block_idx()
+        m_tile, slot, split = cute.arch.block_idx()
         expert = mTileExpert[slot]
         if expert >= 0:
             smem = cutlass.memory.SmemAllocator()
@@ -124,27 +131,34 @@ class MoeGemmWarpSm90:
             row0 = mTileRow0[slot]
             rows = mTileRows[slot]
             # First weight row (of [E * N]) of this warp's 16.
-            w_row = expert * mOut.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
+            w_row = expert * mWa.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
             acc.fill(0.0)
-            num_k = mX.shape[1] // BLOCK_K
+            # This CTA's K blocks [kb0, kb1): all of them, or its split's (starting a scale
+            # group: the ring and scale-buffer positions are kb's own, not relative).
+            kb0 = Int32(0)
+            kb1 = mX.shape[1] // BLOCK_K
+            if const_expr(self.split_k > 1):
+                per = split_k_blocks(kb1, self.split_k, self.scale_group)
+                kb0 = split * per
+                kb1 = kb1 if kb1 < kb0 + per else kb0 + per
             for s in cutlass.range_constexpr(self.num_stages - 1):
-                if s < num_k:
+                if kb0 + s < kb1:
                     self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                               rows, s, base, warp, tidx)
+                               rows, kb0 + s, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
-            for kb in cutlass.range(num_k, unroll=1):
+            for kb in cutlass.range(kb0, kb1, unroll=1):
                 cute.arch.cp_async_wait_group(self.num_stages - 2)
                 cute.arch.barrier()
                 ahead = kb + self.num_stages - 1
-                if ahead < num_k:
+                if ahead < kb1:
                     self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                                rows, ahead, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
                 self.compute(acc, base, kb, warp, lane)
             cute.arch.cp_async_wait_group(0)
             self.finish(acc)
-            self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
+            self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc, split)
 
     def token_stage(self, base, kb):
         return base + (kb % self.num_stages) * WARP_TOKEN_STAGE_BYTES
@@ -308,15 +322,20 @@ class MoeGemmWarpSm90:
 
     @cute.jit
     def epilogue(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, warp: Int32,
-                 row0: Int32, rows: Int32, lane: Int32, acc: cute.Tensor):
-        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated)."""
+                 row0: Int32, rows: Int32, lane: Int32, acc: cute.Tensor, split: Int32):
+        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated); with
+        a K split, the f32 partial sums of each matrix: ``mOut[split, row, mat * N + n]``."""
         g, t = lane // 4, lane % 4
         col0 = m_tile * BLOCK_M + warp * WARP_ROWS + g
         for j in cutlass.range_constexpr(4):
             n = 2 * t + j % 2                    # token row of accumulator j
             col = col0 + 8 * (j // 2)            # weight row = output feature
             if n < rows:
-                if const_expr(self.gated):
+                if const_expr(self.split_k > 1):
+                    for mat in cutlass.range_constexpr(self.mats):
+                        mOut[split, row0 + n, mat * (mOut.shape[2] // self.mats) + col] = (
+                            acc[4 * mat + j])
+                elif const_expr(self.gated):
                     h = gated_output(acc[j], acc[4 + j], mRw[row0 + n], self.swiglu_limit)
                     mOut[row0 + n, col] = h.to(self.dtype)
                 else:

@@ -432,14 +432,17 @@ def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
     fp8_x = config.algorithm in support.FP8_ACTIVATION_ALGORITHMS   # e4m3 codes + f32 scales
     x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
     x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
+    # A K split writes f32 partial sums [split, rows, mats * N].
+    out = (fake(bf16, (a_, n_)) if config.split_k == 1 else
+           fake(cutlass.Float32, (config.split_k, a_, dyn((2 if gated else 1) * n))))
     return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), x,
                         fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
-                        *weights, *weights, fake(cutlass.Float32, (a_,)), x_scale,
-                        fake(bf16, (a_, n_)),
+                        *weights, *weights, fake(cutlass.Float32, (a_,)), x_scale, out,
                         weight_format=fmt, gated=gated, swiglu_limit=10.0,
                         block_n=config.block_n, num_stages=config.num_stages,
                         algorithm=config.algorithm, ablation=config.ablation,
-                        scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K))
+                        scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
+                        split_k=config.split_k)
 
 
 MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync")
@@ -449,7 +452,11 @@ VARIANTS = {"fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG),
             "bf16-gated-decode": ("bf16", True, support.choose_config(8, 4, "bf16", "wgmma")),
             "fp4-gated-mma-sync": ("fp4", True, MMA_SYNC["fp4"]),
             "fp8-down-mma-sync": ("fp8", False, MMA_SYNC["fp8"]),
-            "bf16-gated-mma-sync": ("bf16", True, MMA_SYNC["bf16"])}
+            "bf16-gated-mma-sync": ("bf16", True, MMA_SYNC["bf16"]),
+            # More rows than two tiles: the whole K per CTA, bf16 outputs (the others: K
+            # split 4 ways, f32 partial sums).
+            "fp4-gated-mma-sync-whole-k": ("fp4", True, support.choose_config(64, 16, "fp4",
+                                                                              "mma_sync"))}
 
 
 @pytest.fixture(scope="module")
@@ -478,6 +485,10 @@ def test_compiles_for_sm90a(compiled, variant):
         assert copies and all(kind == "cg" and size == "16" for kind, size in copies
                               if fmt != "fp8"), copies
     assert len(mma) == 8 * (2 if gated else 1)
+    if config.algorithm == "mma_sync":
+        # K split: raw f32 partial sums, no SwiGLU (its exp2) in the kernel.
+        split = config.split_k > 1
+        assert ("st.global.b32" in ptx) == split and ("ex2" in ptx) == (gated and not split)
     conversions = {"fp4": "prmt.b32", "fp8": "mul.rn.bf16x2", "bf16": None}[fmt]
     if conversions:
         assert conversions in ptx
@@ -499,6 +510,20 @@ def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="MoeGemmWarpFp8Sm90"):
         _compile("bf16", gated, dataclasses.replace(config, num_stages=3), k=k)
+
+
+def test_k_split_for_few_rows():
+    """At most two tiles of rows: the warp kernels split K 4 ways; each split starts a
+    scale group and the splits cover every K block once."""
+    assert support.choose_config(6, 256, "fp4").split_k == support.SPLIT_K_FEW_ROWS
+    assert support.choose_config(48, 256, "fp4").split_k == 1
+    assert support.choose_config(6, 256, "fp4", "wgmma").split_k == 1
+    for num_k in (2, 3, 8, 16, 24, 32, 56):
+        for group in (1, 2, 4):
+            per = support.split_k_blocks(num_k, 4, group)
+            assert per % group == 0 and 4 * per >= num_k and per < num_k + group
+    with pytest.raises(ValueError, match="split_k"):
+        support.MoeGemmSm90Config(block_n=64, num_stages=3, algorithm="wgmma", split_k=2)
 
 
 def test_mma_fp8_falls_back_where_it_does_not_apply():

@@ -10,10 +10,21 @@ import jax
 import jax.numpy as jnp
 
 import moe_cases
-from dsv4_jax.ffi import moe as op
+from dsv4_jax import quant
+from dsv4_jax.ffi import cute_call as cute_call_module, moe as op
+from dsv4_jax.kernels import moe_sm90 as support
 
 HIGHEST = jax.lax.Precision.HIGHEST
 LIMIT = 10.0
+
+
+def _row_expert(tile_expert, tile_row0, tile_rows, rows, block_n):
+    """The expert of each sorted row by the tiles that cover it (-1: in no tile)."""
+    lane = jnp.arange(block_n)
+    inside = (lane[None] < tile_rows[:, None]) & (tile_expert[:, None] >= 0)
+    target = jnp.where(inside, tile_row0[:, None] + lane[None], rows)
+    return jnp.full((rows,), -1, jnp.int32).at[target.reshape(-1)].set(
+        jnp.broadcast_to(tile_expert[:, None], target.shape).reshape(-1), mode="drop")
 
 
 def emulated_grouped_gemm(xs, schedule, weight, scale, *, weight_b=None, scale_b=None,
@@ -24,12 +35,7 @@ def emulated_grouped_gemm(xs, schedule, weight, scale, *, weight_b=None, scale_b
         xs = (xs.astype(jnp.float32) * jnp.repeat(x_scale, op.BLOCK_K, axis=1)
               ).astype(jnp.bfloat16)
     _, tile_expert, tile_row0, tile_rows = schedule
-    rows = xs.shape[0]
-    lane = jnp.arange(config.block_n)
-    inside = (lane[None] < tile_rows[:, None]) & (tile_expert[:, None] >= 0)
-    target = jnp.where(inside, tile_row0[:, None] + lane[None], rows)
-    row_expert = jnp.full((rows,), -1, jnp.int32).at[target.reshape(-1)].set(
-        jnp.broadcast_to(tile_expert[:, None], target.shape).reshape(-1), mode="drop")
+    row_expert = _row_expert(tile_expert, tile_row0, tile_rows, xs.shape[0], config.block_n)
     expert = jnp.maximum(row_expert, 0)
 
     def dot(w, s):
@@ -126,3 +132,54 @@ def test_rows_are_summed_per_token_by_a_gather_not_a_scatter_add():
         jnp.asarray(rows, jnp.bfloat16), jnp.asarray(order), t, k).as_text()
     scatter_bodies = [part.split("})", 1)[0] for part in text.split("stablehlo.scatter")[1:]]
     assert scatter_bodies and not any("stablehlo.add" in body for body in scatter_bodies)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_k_split_is_summed_and_gated_like_the_kernel_epilogue(monkeypatch, gated):
+    """``grouped_gemm_sm90`` with ``split_k`` > 1: the launch returns f32 partial sums per
+    split ``[split, rows, mats * N]`` (here from a stand-in for the kernel, over the K blocks
+    ``split_k_blocks`` gives each split); the op adds them, takes w1's half as the gate and
+    w3's as the up projection, rounds both to bf16 and applies SwiGLU x routing weight: the
+    unsplit launch's contract (emulated), up to f32 summation order."""
+    pytest.importorskip("cutlass")       # the launch imports the kernel module
+    e, n, k, rows, split = 3, 64, 1024, 7, 4
+    rng = np.random.default_rng(0)
+    ws = {name: (jnp.asarray(rng.integers(-128, 128, (e, n, k // 2)), jnp.int8),
+                 jax.lax.bitcast_convert_type(
+                     jnp.asarray(rng.integers(118, 124, (e, n, k // 32)), jnp.uint8),
+                     quant.E8M0_DTYPE))
+          for name in ("w1", "w3")}
+    ea = jnp.asarray(rng.integers(0, e, rows), jnp.int32)
+    order, _, *tiles = op.moe_schedule(ea, e, 8)
+    sched = (order, *tiles)
+    xs = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)[order]
+    rw = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
+    config = support.MoeGemmSm90Config(block_n=8, num_stages=6, algorithm="mma_sync",
+                                       split_k=split)
+    per = support.split_k_blocks(k // support.BLOCK_K, split, support.warp_scale_group("fp4", 8))
+
+    def kernel_stand_in(launcher, out_shapes, xs_, tile_expert, tile_row0, tile_rows, *_,
+                        **static):
+        assert static["split_k"] == split and out_shapes[0].shape == (
+            split, rows, (2 if gated else 1) * n) and out_shapes[0].dtype == jnp.float32
+        row_expert = _row_expert(tile_expert, tile_row0, tile_rows, rows, 8)
+        mats = [ws["w1"], ws["w3"]] if gated else [ws["w1"]]
+        parts = []
+        for z in range(split):
+            lo, hi = min(z * per, k // 128) * 128, min((z + 1) * per, k // 128) * 128
+            cols = []
+            for w, s in mats:
+                wd = op._dequant(w, s, jnp.float32)[jnp.maximum(row_expert, 0)]
+                cols.append(jnp.einsum("ak,ank->an", xs_[:, lo:hi].astype(jnp.float32),
+                                       wd[:, :, lo:hi], precision=HIGHEST))
+            parts.append(jnp.concatenate(cols, axis=1))
+        return (jnp.stack(parts),)
+
+    monkeypatch.setattr(cute_call_module, "cute_call", kernel_stand_in)
+    kw = dict(weight_b=ws["w3"][0], scale_b=ws["w3"][1], route_w=rw,
+              swiglu_limit=LIMIT) if gated else {}
+    got = op.grouped_gemm_sm90(xs, sched, *ws["w1"], config=config, **kw)
+    want = emulated_grouped_gemm(xs, sched, *ws["w1"], config=config, **kw)
+    assert got.dtype == jnp.bfloat16 and got.shape == (rows, n)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2 ** -7, atol=1e-6)
