@@ -3,6 +3,7 @@
     source .device/setup.sh && python3 benchmarks/moe_kernel_check.py
     source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_sync python3 benchmarks/moe_kernel_check.py
     source .device/setup.sh && DSV4_MOE_ALGORITHM=mma_fp8 python3 benchmarks/moe_kernel_check.py
+    source .device/setup.sh && DSV4_MOE_SPLIT_K=4 python3 benchmarks/moe_kernel_check.py
     source .device/setup.sh && DSV4_MOE_PREFILL_ALGORITHM=wgmma_fp8 \
         python3 benchmarks/moe_kernel_check.py --prefill      # prefill tiles only
 
@@ -82,7 +83,8 @@ def launch(xs, sched, w, s, cfg, **kw):
 def choose(rows, E, fmt, k_in, simulate=True):
     """The op's config for these rows (algorithms from the environment, as the op reads)."""
     return ms.choose_config(rows, E, fmt, ms.decode_algorithm(), fp8_activations=simulate,
-                            prefill_algorithm=ms.prefill_algorithm(), k_in=k_in)
+                            prefill_algorithm=ms.prefill_algorithm(), k_in=k_in,
+                            few_rows_split_k=ms.few_rows_split_k())
 
 def check_decode_exact(fmt, decode_tiles):
     """One-hot rows read the dequantised weights back through the kernel: must be exact.

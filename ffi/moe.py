@@ -59,7 +59,7 @@ from .dispatch import cute_or_reference, select_implementation
 
 __all__ = ["moe_experts", "moe_experts_reference", "moe_expert_rows",
            "moe_expert_rows_reference", "check_moe_args", "kernel_support", "swiglu",
-           "decode_algorithm", "prefill_algorithm", "moe_experts_cute", "sum_rows_per_token",
+           "decode_algorithm", "prefill_algorithm", "few_rows_split_k", "moe_experts_cute", "sum_rows_per_token",
            "weight_format", "moe_expert_rows_cute", "moe_schedule", "grouped_gemm_sm90"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -71,6 +71,9 @@ ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
 # Kernel for prefill-size inputs: "wgmma" (default) or "wgmma_fp8" (FP8 WGMMAs, FP4/FP8
 # weights with the FP8 simulation; opt-in until measured on a GPU). Read at trace time.
 PREFILL_ALGORITHM_ENV_VAR = "DSV4_MOE_PREFILL_ALGORITHM"
+# K split of the decode kernels for at most 16 rows (T = 1-2): "1" (default, until measured
+# on a GPU) or e.g. "4". Read at trace time.
+SPLIT_K_ENV_VAR = "DSV4_MOE_SPLIT_K"
 _ACT_DTYPES = (jnp.bfloat16, jnp.float32)
 _PLAIN_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _SCALE_DTYPES = (quant.E8M0_DTYPE, jnp.uint8, jnp.float32)
@@ -344,6 +347,14 @@ def prefill_algorithm() -> str:
     return value
 
 
+def few_rows_split_k() -> int:
+    """The decode kernels' K split for at most two tiles of rows, from ``DSV4_MOE_SPLIT_K``."""
+    value = os.environ.get(SPLIT_K_ENV_VAR, "").strip() or "1"
+    if not value.isdigit() or not 1 <= int(value) <= 16:
+        raise ValueError(f"{SPLIT_K_ENV_VAR}={value!r}: must be an integer in [1, 16]")
+    return int(value)
+
+
 def _choose_config(rows: int, num_experts: int, fmt: str, d: int, inter: int,
                    simulate: bool) -> MoeGemmSm90Config:
     """``choose_config`` with the environment's algorithms, for both launches (K = d, inter:
@@ -351,7 +362,8 @@ def _choose_config(rows: int, num_experts: int, fmt: str, d: int, inter: int,
     both_even = (d // BLOCK_K) % 2 == 0 and (inter // BLOCK_K) % 2 == 0
     return choose_config(rows, num_experts, fmt, decode_algorithm(),
                          fp8_activations=simulate, prefill_algorithm=prefill_algorithm(),
-                         k_in=2 * BLOCK_K if both_even else BLOCK_K)
+                         k_in=2 * BLOCK_K if both_even else BLOCK_K,
+                         few_rows_split_k=few_rows_split_k())
 
 
 def kernel_support(xa, w1, w3, w2) -> tuple[bool, str]:

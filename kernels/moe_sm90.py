@@ -242,9 +242,10 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
 DEFAULT_DECODE_ALGORITHM = "mma_fp8"
 
 
-# K split of the warp kernels for at most 2 tiles of rows (T = 1-2 tokens at k = 6):
-# Flash T = 1 has 192 gated CTAs of 32 K blocks; 4 splits make 768 CTAs of 8.
-SPLIT_K_FEW_ROWS = 4
+# K split of the warp kernels for at most 2 tiles of rows (T = 1-2 tokens at k = 6) when
+# asked (the op: DSV4_MOE_SPLIT_K; 1 until measured on a GPU): Flash T = 1 has 192 gated
+# CTAs of 32 K blocks; 4 splits make 768 CTAs of 8.
+DEFAULT_SPLIT_K_FEW_ROWS = 1
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
@@ -266,7 +267,8 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
                   decode_algorithm: str = DEFAULT_DECODE_ALGORITHM,
                   fp8_activations: bool = True,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
-                  k_in: int | None = None) -> MoeGemmSm90Config:
+                  k_in: int | None = None,
+                  few_rows_split_k: int = DEFAULT_SPLIT_K_FEW_ROWS) -> MoeGemmSm90Config:
     """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
     Decode tiles run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8
     algorithms ("mma_fp8", "wgmma_fp8") need FP4/FP8 weights and FP8-quantised activations
@@ -276,7 +278,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
     more bytes in flight; 6 vs 4 stages: 39.8 vs 45.0 us for the Flash T = 1 gated launch
-    on an H200) and K split ``SPLIT_K_FEW_ROWS`` ways, else 4 stages; fewer while two CTAs
+    on an H200) and K split ``few_rows_split_k`` ways, else 4 stages; fewer while two CTAs
     would not fit in an SM."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
@@ -292,7 +294,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
-            config = dataclasses.replace(config, num_stages=6, split_k=SPLIT_K_FEW_ROWS)
+            config = dataclasses.replace(config, num_stages=6, split_k=few_rows_split_k)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -445,7 +445,8 @@ def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
                         split_k=config.split_k)
 
 
-MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync")
+MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync",
+                                        few_rows_split_k=4)
             for fmt in support.WEIGHT_FORMATS}
 VARIANTS = {"fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG),
             "fp8-down-prefill": ("fp8", False, support.PREFILL_CONFIG),
@@ -513,11 +514,12 @@ def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
 
 
 def test_k_split_for_few_rows():
-    """At most two tiles of rows: the warp kernels split K 4 ways; each split starts a
+    """At most two tiles of rows, when asked: the warp kernels split K; each split starts a
     scale group and the splits cover every K block once."""
-    assert support.choose_config(6, 256, "fp4").split_k == support.SPLIT_K_FEW_ROWS
-    assert support.choose_config(48, 256, "fp4").split_k == 1
-    assert support.choose_config(6, 256, "fp4", "wgmma").split_k == 1
+    assert support.choose_config(6, 256, "fp4").split_k == 1        # opt-in until measured
+    assert support.choose_config(6, 256, "fp4", few_rows_split_k=4).split_k == 4
+    assert support.choose_config(48, 256, "fp4", few_rows_split_k=4).split_k == 1
+    assert support.choose_config(6, 256, "fp4", "wgmma", few_rows_split_k=4).split_k == 1
     for num_k in (2, 3, 8, 16, 24, 32, 56):
         for group in (1, 2, 4):
             per = support.split_k_blocks(num_k, 4, group)

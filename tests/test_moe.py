@@ -392,6 +392,28 @@ def test_wgmma_fp8_prefill_matches_the_reference(monkeypatch, dims, fmt, t, rout
     check_implementation("cute", dims, fmt, t, routing)
 
 
+def test_k_split_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(op.SPLIT_K_ENV_VAR, raising=False)
+    assert op.few_rows_split_k() == 1
+    monkeypatch.setenv(op.SPLIT_K_ENV_VAR, "4")
+    assert op.few_rows_split_k() == 4
+    for bad in ("0", "x", "-2", "99"):
+        monkeypatch.setenv(op.SPLIT_K_ENV_VAR, bad)
+        with pytest.raises(ValueError, match="DSV4_MOE_SPLIT_K"):
+            op.few_rows_split_k()
+
+
+# The K split of the decode kernels (opt-in): T = 1-2 on both warp algorithms.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, fmt, t, algorithm", [
+    (d, f, t, a) for d in ("small", "flash") for f in ("fp4", "fp8") for t in (1, 2)
+    for a in ("mma_fp8", "mma_sync")] + [("pro", "fp4", 1, "mma_fp8"), ("small", "bf16", 1, "")])
+def test_k_split_matches_the_reference(monkeypatch, dims, fmt, t, algorithm):
+    monkeypatch.setenv(op.SPLIT_K_ENV_VAR, "4")
+    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, algorithm)
+    check_implementation("cute", dims, fmt, t, "random")
+
+
 def test_prefill_algorithm_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(op.PREFILL_ALGORITHM_ENV_VAR, raising=False)
     assert op.prefill_algorithm() == "wgmma"
