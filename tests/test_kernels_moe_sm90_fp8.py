@@ -1,7 +1,8 @@
 """The "wgmma_fp8" prefill kernel (kernels/moe_sm90_fp8.py) without a GPU: numpy replays of
 its FP4 -> e4m3 conversion with the scales folded in (every code, every nibble position,
 every exact fold factor, rounding past them, whole rows against the dequantised weights),
-its configuration and support rules, and its sm_90a compilation (PTX instruction counts)."""
+its configuration and support rules, and its sm_90a compilation (PTX instruction counts);
+and every MoE kernel family through ptxas (no serialized WGMMAs, no spills)."""
 from __future__ import annotations
 
 import re
@@ -178,13 +179,12 @@ def test_wgmma_fp8_compiles_for_sm90a(fmt, gated, block_n):
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on this machine")
-@pytest.mark.parametrize("fmt, gated", [("fp4", True), ("fp8", False)])
-def test_wgmma_fp8_assembles_without_serialized_wgmma_or_spills(tmp_path, fmt, gated):
-    """ptxas -v on the kernel: no C7514 (all WGMMAs serialized because an accumulator is
-    read while its chain may be in flight), no spills, registers for one CTA per SM. The
-    local ptxas (CUDA 13.0) takes PTX ISA <= 9.0; the DSL stamps 9.4 on the same code."""
-    compiled = _compile(fmt, gated, support.PREFILL_FP8_CONFIG, a=256, k=512, n=256, e=4)
+def _ptxas(tmp_path, compiled) -> str:
+    """``ptxas -v`` on a compiled kernel's PTX: its log (skips when ptxas is absent or older
+    than the PTX; the local CUDA 13.0 ptxas takes ISA <= 9.0, the DSL stamps 9.4 on the same
+    instructions)."""
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas on this machine")
     ptx = re.sub(r"^\.version \d+\.\d+", ".version 9.0", compiled.artifacts.PTX, flags=re.M)
     src = tmp_path / "kernel.ptx"
     src.write_text(ptx)
@@ -194,7 +194,32 @@ def test_wgmma_fp8_assembles_without_serialized_wgmma_or_spills(tmp_path, fmt, g
     if out.returncode and "Unsupported .version" in log:
         pytest.skip(f"this ptxas is older than the PTX: {log.strip()[:200]}")
     assert out.returncode == 0, log
+    return log
+
+
+ASSEMBLED = {
+    "wgmma_fp8-fp4-gated": ("fp4", True, support.PREFILL_FP8_CONFIG, 256),
+    "wgmma_fp8-fp8-down": ("fp8", False, support.PREFILL_FP8_CONFIG, 256),
+    "wgmma-fp4-gated-prefill": ("fp4", True, support.PREFILL_CONFIG, 256),
+    "wgmma-fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG, 8),
+    "mma_fp8-fp4-gated": ("fp4", True, support.choose_config(64, 256, "fp4", "mma_fp8"), 64),
+    "mma_fp8-fp4-gated-split": ("fp4", True, support.choose_config(
+        6, 256, "fp4", "mma_fp8", few_rows_split_k=4), 6),
+    "mma_sync-fp4-gated": ("fp4", True, support.choose_config(64, 256, "fp4", "mma_sync"), 64),
+    "mma_sync-fp8-down-split": ("fp8", False, support.choose_config(
+        6, 256, "fp8", "mma_sync", few_rows_split_k=4), 6),
+}
+
+
+@pytest.mark.parametrize("variant", list(ASSEMBLED))
+def test_moe_kernels_assemble_without_serialized_wgmma_or_spills(tmp_path, variant):
+    """Every MoE kernel family through ptxas: no C7514 (all WGMMAs serialized because an
+    accumulator is read while its chain may be in flight -- what the first "wgmma_fp8"
+    compiled to), no spills, registers that leave at least one CTA per SM."""
+    fmt, gated, config, rows = ASSEMBLED[variant]
+    log = _ptxas(tmp_path, _compile(fmt, gated, config, a=rows, k=512, n=256, e=4))
     assert "C7514" not in log and "serialized" not in log, log
     assert "0 bytes spill stores, 0 bytes spill loads" in log, log
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    assert registers <= 255 and registers * 256 <= 65536, log
+    threads = 256 if config.algorithm in ("wgmma", "wgmma_fp8") else 128
+    assert registers <= 255 and registers * threads <= 65536, log
