@@ -51,7 +51,7 @@ def main(token_counts=(1, 8, 64, 4096), warp_only=False):
         else:
             variants += [dataclasses.replace(base, block_n=64, num_stages=4)]
             fp8 = ms.choose_config(xa.shape[0], E, "fp4", prefill_algorithm="wgmma_fp8",
-                                   k_in=2048)
+                                   k_ins=(4096, 2048))
             variants += [fp8] + [dataclasses.replace(fp8, ablation=a)
                                  for a in ("no_dequant", "no_mma")]
             variants += [dataclasses.replace(fp8, num_stages=s) for s in (4, 5)]

@@ -80,10 +80,10 @@ def launch(xs, sched, w, s, cfg, **kw):
         return ms.grouped_gemm_sm90(codes, sched, w, s, x_scale=scales, config=cfg, **kw)
     return ms.grouped_gemm_sm90(xs, sched, w, s, config=cfg, **kw)
 
-def choose(rows, E, fmt, k_in, simulate=True):
+def choose(rows, E, fmt, k_ins, simulate=True):
     """The op's config for these rows (algorithms from the environment, as the op reads)."""
     return ms.choose_config(rows, E, fmt, ms.decode_algorithm(), fp8_activations=simulate,
-                            prefill_algorithm=ms.prefill_algorithm(), k_in=k_in,
+                            prefill_algorithm=ms.prefill_algorithm(), k_ins=k_ins,
                             few_rows_split_k=ms.few_rows_split_k())
 
 def check_decode_exact(fmt, decode_tiles):
@@ -91,7 +91,7 @@ def check_decode_exact(fmt, decode_tiles):
     ``decode_tiles``: the decode config (``DSV4_MOE_ALGORITHM``) instead of the prefill one."""
     E, N, K = 3, 128, 512
     A = 3 * K
-    cfg = choose(E if decode_tiles else A, E, fmt, K)
+    cfg = choose(E if decode_tiles else A, E, fmt, (K,))
     # "wgmma_fp8" folds a row's four FP4 scales of a K block into e4m3 codes: exact while
     # they lie within 2^14 of each other (moe_sm90_fp8), so a narrower range there.
     lo, hi = (106, 121) if cfg.algorithm == "wgmma_fp8" and fmt == "fp4" else (90, 160)
@@ -127,7 +127,7 @@ def run_case(name, T, k, E, d, inter, fmt, simulate, skew=False, seed=0):
     # timing
     for _ in range(3): f(xa, ea, wa, w1, w3, w2).block_until_ready()
     t = bench(lambda: f(xa, ea, wa, w1, w3, w2))
-    cfg = choose(xa.shape[0], E, fmt, min(d, inter), simulate)
+    cfg = choose(xa.shape[0], E, fmt, (d, inter), simulate)
     order, valid, *tiles = ms.moe_schedule(ea, E, cfg.block_n)
     xs = xa[order]; rws = wa[order]
     g1 = jax.jit(lambda xs, sched, w1, w3, rws: launch(xs, sched, *w1, cfg, weight_b=w3[0], scale_b=w3[1], route_w=rws, swiglu_limit=LIMIT))

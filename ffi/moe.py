@@ -357,12 +357,10 @@ def few_rows_split_k() -> int:
 
 def _choose_config(rows: int, num_experts: int, fmt: str, d: int, inter: int,
                    simulate: bool) -> MoeGemmSm90Config:
-    """``choose_config`` with the environment's algorithms, for both launches (K = d, inter:
-    an FP8 WGMMA config only when both have an even number of K blocks)."""
-    both_even = (d // BLOCK_K) % 2 == 0 and (inter // BLOCK_K) % 2 == 0
+    """``choose_config`` with the environment's algorithms, for both launches (K = d, inter)."""
     return choose_config(rows, num_experts, fmt, decode_algorithm(),
                          fp8_activations=simulate, prefill_algorithm=prefill_algorithm(),
-                         k_in=2 * BLOCK_K if both_even else BLOCK_K,
+                         k_ins=(d, inter),
                          few_rows_split_k=few_rows_split_k())
 
 

@@ -267,13 +267,14 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
                   decode_algorithm: str = DEFAULT_DECODE_ALGORITHM,
                   fp8_activations: bool = True,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
-                  k_in: int | None = None,
+                  k_ins: tuple[int, ...] = (),
                   few_rows_split_k: int = DEFAULT_SPLIT_K_FEW_ROWS) -> MoeGemmSm90Config:
     """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
     Decode tiles run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8
     algorithms ("mma_fp8", "wgmma_fp8") need FP4/FP8 weights and FP8-quantised activations
     (``fp8_activations``: the simulation is on), else they become "mma_sync" / "wgmma";
-    "wgmma_fp8" also an even number of K blocks in ``k_in`` (when given).
+    "wgmma_fp8" also an even number of K blocks in each of ``k_ins``, the input features of
+    the launches that will use the config.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
@@ -288,7 +289,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     fp8_ok = weight_format != "bf16" and fp8_activations
     if decode_algorithm == "mma_fp8" and not fp8_ok:
         decode_algorithm = "mma_sync"
-    if not fp8_ok or (k_in is not None and (k_in // BLOCK_K) % 2):
+    if not fp8_ok or any((k // BLOCK_K) % 2 for k in k_ins):
         decode_algorithm = "wgmma" if decode_algorithm == "wgmma_fp8" else decode_algorithm
         prefill_algorithm = "wgmma"
     if decode and decode_algorithm in WARP_ALGORITHMS:

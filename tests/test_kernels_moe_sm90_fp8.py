@@ -126,12 +126,14 @@ def test_fold_error_past_the_exact_range_is_below_bf16_rounding():
 
 # ------------------------------------------------------------------ configuration and support
 def test_prefill_algorithm_selection():
-    cfg = support.choose_config(4096 * 6, 256, "fp4", prefill_algorithm="wgmma_fp8", k_in=4096)
+    cfg = support.choose_config(4096 * 6, 256, "fp4", prefill_algorithm="wgmma_fp8",
+                                k_ins=(4096, 2048))
     assert cfg.algorithm == "wgmma_fp8" and cfg.block_n == support.FP8_WGMMA_MAX_BLOCK_N
     assert cfg.smem_bytes("fp4", True) <= support.SMEM_BYTES
     assert support.choose_config(4096 * 6, 256, "fp4").algorithm == "wgmma"     # the default
     # Fallbacks to "wgmma": BF16 weights, simulation off, an odd number of K blocks.
-    for kw in (dict(weight_format="bf16"), dict(fp8_activations=False), dict(k_in=384)):
+    for kw in (dict(weight_format="bf16"), dict(fp8_activations=False),
+               dict(k_ins=(4096, 384))):
         args = dict(num_rows=4096, num_experts=16, weight_format="fp4",
                     prefill_algorithm="wgmma_fp8") | kw
         assert support.choose_config(**args).algorithm == "wgmma", kw
