@@ -39,18 +39,15 @@ output features a multiple of 64; block_n <= 64 (registers: 2 x 2 block accumula
 """
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync
-from cutlass.tensor_utils import LayoutEnum
+from cutlass.cute.nvgpu import cpasync
 
 from .moe_sm90 import BLOCK_K, BLOCK_M, MoeGemmSm90Config
 from .moe_sm90_convert import (copy_bytes, e4m3_fold_table, e8m0_f32, fence_f32,
                                fp4x8_to_e4m3x8_table)
-from .moe_sm90_kernel import NUM_THREADS, MoeGemmSm90
+from .moe_sm90_kernel import MoeGemmSm90
 
 FP4_FOLD_BIAS = 127 + 6       # e8m0_f32(s_i - s_max + FP4_FOLD_BIAS) = 2^(s_i - s_max + 6)
 CHUNK = 16                    # bytes = e4m3 codes per vector store / token copy
@@ -65,22 +62,14 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
             raise ValueError(f"MoeGemmFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
         super().__init__(weight_format, gated, swiglu_limit, config)
         self.dtype = cutlass.Float8E4M3FN
+        self.a_buffers = self.num_stages * self.mats     # converted with the stage's copies
 
-    # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mXs: cute.Tensor, mTileExpert: cute.Tensor,
-                 mTileRow0: cute.Tensor, mTileRows: cute.Tensor, mWa: cute.Tensor,
-                 mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor,
-                 mOut: cute.Tensor, stream: cuda.CUstream):
-        bn, stages, mats = self.block_n, self.num_stages, self.mats
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (1, 1, 1), (BLOCK_M, bn))
-        # A: the converted weight tiles, buffer stage * mats + mat; B: the token codes.
-        sA_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (BLOCK_M, bn, BLOCK_K), self.dtype, stages * mats)
-        sB_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (BLOCK_M, bn, BLOCK_K), self.dtype, stages)
+    def storage_struct(self, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        """Shared memory per stage: the rows' fold scales, the token scales, one scale word
+        per producer thread and matrix (each reads only its own), raw weight bytes, the
+        e4m3 A tiles (buffer ``stage * mats + mat``) and the token codes."""
+        stages, mats, bn = self.num_stages, self.mats, self.block_n
         raw_bytes = mats * BLOCK_M * self.row_bytes
 
         @cute.struct
@@ -88,7 +77,6 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
             mbar: cute.struct.MemRange[Int64, 2 * stages]
             sWs: cute.struct.Align[cute.struct.MemRange[Float32, stages * mats * BLOCK_M], 16]
             sXs: cute.struct.Align[cute.struct.MemRange[Float32, stages * bn], 16]
-            # One scale word per producer thread and matrix (each reads only its own).
             sScale: cute.struct.Align[
                 cute.struct.MemRange[Int32, stages * mats * 2 * BLOCK_M], 16]
             sRaw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, stages * raw_bytes],
@@ -98,53 +86,18 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
             sB: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
 
-        self.shared_storage = SharedStorage
-        n_out = mOut.shape[1]
-        self.kernel(mX, mXs, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
-                    mOut, tiled_mma, sA_layout, sB_layout).launch(
-            grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
-            block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
-
-    # ---------------------------------------------------------------- device
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mTileExpert: cute.Tensor,
-               mTileRow0: cute.Tensor, mTileRows: cute.Tensor, mWa: cute.Tensor,
-               mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor,
-               mOut: cute.Tensor, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
-               sB_layout: cute.ComposedLayout):
-        tidx, _, _ = cute.arch.thread_idx()
-        m_tile, slot, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // 128)
-        expert = mTileExpert[slot]
-        if expert >= 0:
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
-            sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
-            pipe = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
-            row0 = mTileRow0[slot]
-            rows = mTileRows[slot]
-            num_k = mX.shape[1] // BLOCK_K
-            ws = storage.sWs.data_ptr().toint()
-            xs = storage.sXs.data_ptr().toint()
-            if wg == 0:
-                self.produce(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, num_k,
-                             storage.sRaw.data_ptr().toint(),
-                             storage.sScale.data_ptr().toint(), ws, xs, sA, sB, pipe, tidx)
-            else:
-                self.consume(mRw, mOut, m_tile, row0, rows, num_k, tidx - 128, ws, xs, sA,
-                             sB, pipe, tiled_mma)
+        return SharedStorage
 
     @cute.jit
     def produce(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
                 mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32,
-                row0: Int32, rows: Int32, num_k: Int32, raw: Int32, scales: Int32, ws: Int32,
-                xs: Int32, sA: cute.Tensor, sB: cute.Tensor, pipe: pipeline.PipelineAsync,
-                tidx: Int32):
+                row0: Int32, rows: Int32, num_k: Int32, storage, sA: cute.Tensor,
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tidx: Int32):
         """WG0: copies ``num_stages - 2`` K blocks ahead, converts K block ``kb``."""
+        raw = storage.sRaw.data_ptr().toint()
+        scales = storage.sScale.data_ptr().toint()
+        ws = storage.sWs.data_ptr().toint()
+        xs = storage.sXs.data_ptr().toint()
         lookahead = self.num_stages - 2
         load_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                                   self.num_stages)
@@ -284,12 +237,13 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
 
     @cute.jit
     def consume(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
-                rows: Int32, num_k: Int32, wg_tidx: Int32, ws: Int32, xs: Int32,
-                sA: cute.Tensor, sB: cute.Tensor, pipe: pipeline.PipelineAsync,
-                tiled_mma: cute.TiledMma):
-        """WG1: WGMMA chains per K block into alternating block accumulators, promotion of
-        the previous block while the current one runs, then the epilogue."""
+                rows: Int32, num_k: Int32, wg_tidx: Int32, storage, sA: cute.Tensor,
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma):
+        """WG1: two K blocks' WGMMA chains per iteration; the first promoted while the
+        second runs, then the second; then the epilogue."""
         bn = self.block_n
+        ws = storage.sWs.data_ptr().toint()
+        xs = storage.sXs.data_ptr().toint()
         thr_mma = tiled_mma.get_slice(wg_tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))

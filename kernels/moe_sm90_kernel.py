@@ -72,23 +72,36 @@ class MoeGemmSm90:
         self.row_bytes = ROW_BYTES[weight_format]
         self.dtype = cutlass.BFloat16          # the WGMMA operands in shared memory
         self.out_dtype = cutlass.BFloat16
+        self.a_buffers = 2 * self.mats         # A tiles: one per (matrix, parity)
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
-                 mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
-                 mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor,
-                 stream: cuda.CUstream):
-        bn, stages = self.block_n, self.num_stages
+    def __call__(self, mX: cute.Tensor, mXs: cute.Tensor, mTileExpert: cute.Tensor,
+                 mTileRow0: cute.Tensor, mTileRows: cute.Tensor, mWa: cute.Tensor,
+                 mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor,
+                 mOut: cute.Tensor, stream: cuda.CUstream):
+        """``mXs``: the token scales of "wgmma_fp8" (``moe_sm90_fp8``), unread here."""
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (1, 1, 1), (BLOCK_M, bn))
-        # A: the dequantised weight tile, one buffer per (matrix, parity).
+            (1, 1, 1), (BLOCK_M, self.block_n))
+        # A: the weight tiles the tensor cores read (``a_buffers`` of them); B: the token
+        # rows of each stage.
         sA_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (BLOCK_M, bn, BLOCK_K), self.dtype, 2 * self.mats)
-        # B: the token rows of each stage.
+            LayoutEnum.ROW_MAJOR, (BLOCK_M, self.block_n, BLOCK_K), self.dtype, self.a_buffers)
         sB_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (BLOCK_M, bn, BLOCK_K), self.dtype, stages)
+            LayoutEnum.ROW_MAJOR, (BLOCK_M, self.block_n, BLOCK_K), self.dtype,
+            self.num_stages)
+        self.shared_storage = self.storage_struct(sA_layout, sB_layout)
+        n_out = mOut.shape[1]
+        self.kernel(mX, mXs, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mOut,
+                    tiled_mma, sA_layout, sB_layout).launch(
+            grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
+            block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.jit
+    def storage_struct(self, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        """Shared memory: mbarriers, per-stage scale words and raw weight bytes, A and B."""
+        stages = self.num_stages
         raw_bytes = self.mats * BLOCK_M * self.row_bytes
 
         @cute.struct
@@ -103,19 +116,14 @@ class MoeGemmSm90:
             sB: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
 
-        self.shared_storage = SharedStorage
-        n_out = mOut.shape[1]
-        self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mOut,
-                    tiled_mma, sA_layout, sB_layout).launch(
-            grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
-            block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+        return SharedStorage
 
     # ---------------------------------------------------------------- device
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
-               mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-               mSb: cute.Tensor, mRw: cute.Tensor, mOut: cute.Tensor,
-               tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
+    def kernel(self, mX: cute.Tensor, mXs: cute.Tensor, mTileExpert: cute.Tensor,
+               mTileRow0: cute.Tensor, mTileRows: cute.Tensor, mWa: cute.Tensor,
+               mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor,
+               mOut: cute.Tensor, tiled_mma: cute.TiledMma, sA_layout: cute.ComposedLayout,
                sB_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
         m_tile, slot, _ = cute.arch.block_idx()
@@ -134,23 +142,21 @@ class MoeGemmSm90:
             rows = mTileRows[slot]
             num_k = mX.shape[1] // BLOCK_K
             if wg == 0:
-                self.produce(mX, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, num_k,
-                             storage.sRaw.data_ptr(), storage.sScale.data_ptr(), sB, pipe,
-                             tidx)
+                self.produce(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, num_k,
+                             storage, sA, sB, pipe, tidx)
             else:
-                self.consume(mRw, mOut, m_tile, row0, rows, num_k, tidx - 128,
-                             storage.sRaw.data_ptr(), storage.sScale.data_ptr(), sA, sB,
-                             pipe, tiled_mma)
+                self.consume(mRw, mOut, m_tile, row0, rows, num_k, tidx - 128, storage, sA,
+                             sB, pipe, tiled_mma)
 
     @cute.jit
-    def produce(self, mX: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-                mSb: cute.Tensor, expert: Int32, m_tile: Int32, row0: Int32, rows: Int32,
-                num_k: Int32, raw: cute.Pointer, scales: cute.Pointer, sB: cute.Tensor,
-                pipe: pipeline.PipelineAsync, tidx: Int32):
+    def produce(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+                mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32,
+                row0: Int32, rows: Int32, num_k: Int32, storage, sA: cute.Tensor,
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tidx: Int32):
         """WG0: raw weight bytes, scale bytes and token rows of each K block, by cp.async."""
         bn = self.block_n
-        raw = raw.toint()
-        scales = scales.toint()
+        raw = storage.sRaw.data_ptr().toint()
+        scales = storage.sScale.data_ptr().toint()
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
         atom16 = cute.make_copy_atom(
@@ -223,11 +229,12 @@ class MoeGemmSm90:
 
     @cute.jit
     def consume(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
-                rows: Int32, num_k: Int32, wg_tidx: Int32, raw: cute.Pointer,
-                scales: cute.Pointer, sA: cute.Tensor, sB: cute.Tensor,
-                pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma):
+                rows: Int32, num_k: Int32, wg_tidx: Int32, storage, sA: cute.Tensor,
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma):
         """WG1: dequantise each stage into an A tile, WGMMA, then the epilogue."""
         bn = self.block_n
+        raw = storage.sRaw.data_ptr()
+        scales = storage.sScale.data_ptr()
         thr_mma = tiled_mma.get_slice(wg_tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))

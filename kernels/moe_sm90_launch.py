@@ -32,11 +32,9 @@ def moe_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, tile_expert: cute.T
     ``split_k`` > 1 (warp kernels): ``out`` is f32 [split_k, rows, mats * N] partial sums."""
     config = MoeGemmSm90Config(block_n=block_n, num_stages=num_stages, ablation=ablation,
                                algorithm=algorithm, split_k=split_k)
-    if const_expr(algorithm == "wgmma"):
-        MoeGemmSm90(weight_format, gated, swiglu_limit, config)(
-            x, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)
-    elif const_expr(algorithm == "wgmma_fp8"):
-        MoeGemmFp8Sm90(weight_format, gated, swiglu_limit, config)(
+    if const_expr(algorithm in ("wgmma", "wgmma_fp8")):
+        kernel_class = MoeGemmFp8Sm90 if const_expr(algorithm == "wgmma_fp8") else MoeGemmSm90
+        kernel_class(weight_format, gated, swiglu_limit, config)(
             x, x_scale, tile_expert, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out,
             stream)
     else:
