@@ -3,6 +3,7 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh [tests|bench|all] [bench args]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh profile pro 64 [64x2]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe    # MoE: both algorithms
+#       (MOE_ALGORITHMS="mma_fp8 mma_sync" picks them; MOE_BENCH=0 leaves out bench_moe --quick)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_detail 8 mma_sync
 #       (gated-launch ablations, device-op traces of the op, Nsight Compute of one launch)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_prefill  # prefill tiles
@@ -36,7 +37,7 @@ if [[ $what == moe ]]; then
     DSV4_MOE_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py \
       2>&1 | grep -v Warning | tee "$OUT/moe_check_$alg.log"
   done
-  timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
+  [[ ${MOE_BENCH:-1} == 0 ]] || timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
     --out "$OUT/bench_moe.md" 2>&1 | grep -v Warning | tee "$OUT/bench_moe.log" | tail -12
 fi
 if [[ $what == moe_prefill ]]; then

@@ -294,23 +294,36 @@ def _routing(kind, t, e, k, seed=1):
     return idx, jax.random.uniform(k3, idx.shape, jnp.float32, 0.1, 1.0)
 
 
+@functools.lru_cache(maxsize=4)
+def _reference_chunk_fn(kw_items):
+    """One jitted reference over a chunk of tokens, weights as arguments: compiled once per
+    (chunk shape, weights, numerics) and reused by every token count of a (dims, format)."""
+    kw = dict(kw_items)
+    return jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts_reference(x, i, w, w1, w3, w2,
+                                                                        **kw))
+
+
 def _reference_chunked(x, idx, w, p, **kw):
     """The reference in chunks of tokens small enough for the gather schedule (bounded
-    memory at real dims; same arithmetic up to the f32 summation order)."""
+    memory at real dims; same arithmetic up to the f32 summation order). The chunks run from
+    a Python loop over one compiled chunk program: a jitted ``lax.map`` over the chunks was a
+    new XLA compilation for every token count of a case."""
     (e, inter, d), k = p["w1"][0].shape, idx.shape[1]
     if p["w1"][0].dtype in (jnp.int8, jnp.uint8):
         d *= 2
+    fn = _reference_chunk_fn(tuple(sorted(kw.items())))
     if idx.size * inter * d <= 4e8:              # small enough for the reference as it is
-        return op.moe_experts_reference(x, idx, w, p["w1"], p["w3"], p["w2"], **kw)
+        return fn(x, idx, w, p["w1"], p["w3"], p["w2"])
     # Tokens per chunk: fewer rows than experts, and ~0.4 G weight elements gathered.
     chunk = max(1, min((e - 1) // k, int(4e8 // (k * inter * d))))
     t = x.shape[0]
     pad = (-t) % chunk
-    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
-    ids = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, k)
-    ws = jnp.pad(w, ((0, pad), (0, 0))).reshape(-1, chunk, k)
-    f = lambda a: op.moe_experts_reference(a[0], a[1], a[2], p["w1"], p["w3"], p["w2"], **kw)
-    return jax.lax.map(f, (xs, ids, ws)).reshape(-1, x.shape[1])[:t]
+    xs = jnp.pad(x, ((0, pad), (0, 0)))
+    ids = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=-1)
+    ws = jnp.pad(w, ((0, pad), (0, 0)))
+    outs = [fn(xs[s:s + chunk], ids[s:s + chunk], ws[s:s + chunk], p["w1"], p["w3"], p["w2"])
+            for s in range(0, t + pad, chunk)]
+    return jnp.concatenate(outs)[:t]
 
 
 def _rel_err(got, want):
@@ -329,7 +342,7 @@ def check_implementation(impl, dims, fmt, t, routing, simulate=True):
                                                implementation=impl))
     got = f(x, idx, w)
     again = f(x, idx, w)
-    want = jax.jit(lambda x, i, w: _reference_chunked(x, i, w, p, **kw))(x, idx, w)
+    want = _reference_chunked(x, idx, w, p, **kw)
     got_np = np.asarray(got)
     assert got.shape == (t, d) and got.dtype == jnp.float32
     assert np.all(np.isfinite(got_np)), "NaN/inf in the output"
@@ -441,9 +454,10 @@ def test_decode_algorithm_comes_from_the_environment(monkeypatch):
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
-                + [("flash", f, t, r, "") for f in ("fp4", "fp8") for t in (1, 8, 64, 170)
+                # Flash/Pro at T = 1, 8, 64 with the default: GPU_CASES (simulating) and the
+                # test without simulation; here the largest decode-size input only.
+                + [("flash", f, 170, r, "") for f in ("fp4", "fp8")
                    for r in ("random", "one_expert")]
-                + [("pro", f, t, "random", "") for f in ("fp4", "fp8") for t in (1, 8, 64)]
                 + [("small", f, t, r, "mma_sync") for f in ("fp4", "fp8") for t in (1, 3, 8, 16)
                    for r in ("random", "dropped")]
                 + [("small", f, 64, "one_expert", "mma_sync") for f in ("fp4", "fp8")]
