@@ -37,13 +37,14 @@ def phases(case: str) -> None:
     rows = idx.shape[0] * idx.shape[1]
     config = op._choose_config(rows, e, fmt, d, inter, simulate=True)
     mark(f"rows {rows}, config {config}")
-    f = jax.jit(lambda x, i, w: op.moe_experts(x, i, w, p["w1"], p["w3"], p["w2"], **kw,
-                                               implementation="cute"))
-    compiled = f.lower(x, idx, w).compile()
+    f = jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts(x, i, w, w1, w3, w2, **kw,
+                                                           implementation="cute"))
+    args = (x, idx, w, p["w1"], p["w3"], p["w2"])
+    compiled = f.lower(*args).compile()
     mark("op compiled")
-    got = jax.block_until_ready(compiled(x, idx, w))
+    got = jax.block_until_ready(compiled(*args))
     mark("op first run")
-    again = jax.block_until_ready(compiled(x, idx, w))
+    again = jax.block_until_ready(compiled(*args))
     mark("op second run")
     want = jax.block_until_ready(tm._reference_chunked(x, idx, w, p, **kw))
     mark("reference")

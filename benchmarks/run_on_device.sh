@@ -8,9 +8,10 @@
 #       (gated-launch ablations, device-op traces of the op, Nsight Compute of one launch)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_prefill  # prefill tiles
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests general|decode [K]
-#       (the MoE op's GPU tests in two halves, one process: several processes on one GPU ran
-#        out of its memory at Pro dims; the decode half takes more than 10 min, so narrow it
-#        with a pytest -k expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
+#       (the MoE op's GPU tests in two halves, one process; narrow with a pytest -k
+#        expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests_all
+#       (every MoE GPU case, six processes at once on the one GPU: about 8 min)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -69,6 +70,30 @@ if [[ $what == moe_tests ]]; then
     python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=5 \
     -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
     | tee "$OUT/moe_gpu_tests_$part.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -40
+fi
+if [[ $what == moe_tests_all ]]; then
+  # Every MoE GPU case in one call: six pytest processes share the GPU (compilation, on the
+  # CPU, is most of a case). The platform allocator gives freed memory back at once, so the
+  # processes need the sum of what they hold at a time, not of their peaks; Pro (the largest
+  # weights and reference) alone in one process.
+  run_part() {  # name, -k expression
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-540} \
+      python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=8 -k "$2" \
+      tests/test_moe.py tests/test_moe_glue.py tests/test_model_gpu.py \
+      >"$OUT/moe_gpu_tests_$1.log" 2>&1
+  }
+  run_part pro "pro" &
+  run_part flash_fp4 "flash and fp4" &
+  run_part flash_rest "flash and not fp4" &
+  run_part small_general "not decode_kernels and not flash and not pro" &
+  run_part small_decode_fp4 "decode_kernels and small and fp4" &
+  run_part small_decode_rest "decode_kernels and small and not fp4" &
+  wait
+  for f in "$OUT"/moe_gpu_tests_*.log; do
+    echo "== $f"; grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)" "$f" | tail -8
+    echo "last: $(grep -E 'PASSED|FAILED' "$f" | tail -1)"
+  done
 fi
 if [[ $what == moe_detail ]]; then
   tokens=${1:-8}; alg=${2:-mma_sync}
