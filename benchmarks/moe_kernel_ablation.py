@@ -7,7 +7,8 @@ device copy for the achievable HBM bandwidth. Decode sizes also run the warp-lev
 
 TOKENS: comma-separated token counts (default 1,8,64,4096); --warp-only: only the
 "mma_sync" variants (decode sizes). Prefill sizes also run "wgmma_fp8" (FP8 WGMMAs), its
-ablations and stage depths.
+ablations and stage depths; sizes between (64 < T < 2048, e.g. 128,256,512,1024) run every
+kernel on the same rows: the decode/prefill crossover for ``choose_config``.
 """
 import dataclasses
 import sys
@@ -48,6 +49,15 @@ def main(token_counts=(1, 8, 64, 4096), warp_only=False):
             variants += [dataclasses.replace(warp, num_stages=s) for s in (2, 3, 6)]
             variants += [dataclasses.replace(warp, algorithm="mma_fp8", num_stages=s)
                          for s in (3, 4, 6)]
+        elif T < 2048:
+            # Between decode and prefill (8-96 rows per expert): every kernel on the same
+            # rows -- where the decode tiles (8 rows, each re-reads its expert's weights) stop
+            # beating the 64/128-row WGMMA tiles (one tile per expert, mostly padding).
+            variants = [base, dataclasses.replace(base, block_n=64, num_stages=4),
+                        ms.choose_config(xa.shape[0], E, "fp4", prefill_algorithm="wgmma_fp8",
+                                         k_ins=(4096, 2048))]
+            warp = ms.choose_config(64 * 6, E, "fp4", "mma_fp8")
+            variants += [warp, dataclasses.replace(warp, algorithm="mma_sync")]
         else:
             variants += [dataclasses.replace(base, block_n=64, num_stages=4)]
             fp8 = ms.choose_config(xa.shape[0], E, "fp4", prefill_algorithm="wgmma_fp8",

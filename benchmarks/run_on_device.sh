@@ -7,6 +7,7 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_detail 8 mma_sync
 #       (gated-launch ablations, device-op traces of the op, Nsight Compute of one launch)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_prefill  # prefill tiles
+#       (ABLATION_TOKENS=128,256,512,1024: every kernel between decode and prefill sizes)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests general|decode [K]
 #       (the MoE op's GPU tests in two halves, one process; narrow with a pytest -k
 #        expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
@@ -47,7 +48,8 @@ if [[ $what == moe_prefill ]]; then
     DSV4_MOE_PREFILL_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 \
       benchmarks/moe_kernel_check.py --prefill 2>&1 | grep -v Warning | tee "$OUT/moe_prefill_$alg.log"
   done
-  (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py 4096 2>&1 \
+  (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py \
+    ${ABLATION_TOKENS:-4096} 2>&1 \
     | grep -v Warning | tee "$OUT/moe_ablation_prefill.log")
 fi
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
