@@ -138,12 +138,16 @@ def time_prefill(cfg, params, chunk, runs):
 
 
 # ----------------------------------------------------------------------------- profile
+KERNEL_GROUPS = (("MoE kernel", "MoeGemm"), ("sparse attention kernel", "SparseAttention"))
+
+
 def profile_ops(run_once, top: int = 15):
     """Trace ``run_once()`` with the JAX profiler; top device ops by total time.
 
     Returns ``(rows [(name, total us, count)], total us of device ops)`` from the Perfetto
     trace (``*.trace.json.gz``) the profiler writes: complete events of the GPU streams (or,
-    on a CPU-only run, of the XLA CPU threads).
+    on a CPU-only run, of the XLA CPU threads), then a row per kernel of ``KERNEL_GROUPS``
+    that ran: all its launches together.
     """
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     run_once()                                       # warm: nothing compiles in the trace
@@ -167,7 +171,15 @@ def profile_ops(run_once, top: int = 15):
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
     total = sum(totals.values())
-    return [(n, us, counts[n]) for n, us in totals.most_common(top)], total
+    rows = [(n, us, counts[n]) for n, us in totals.most_common(top)]
+    # The kernels' shares of the step (their symbols carry the CuTe kernel class names);
+    # the MoE's XLA glue (schedule, quantisation, gathers, per-token sum) is not in it.
+    for label, key in KERNEL_GROUPS:
+        us = sum(t for n, t in totals.items() if key in n)
+        n = sum(c for name, c in counts.items() if key in name)
+        if n:
+            rows.append((f"all {label} launches", us, n))
+    return rows, total
 
 
 def profile_table(title, rows, total, step_s):
