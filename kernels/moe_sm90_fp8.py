@@ -165,25 +165,27 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
                 src = s_base + blk_row * (k_in // 128) + ((kb // 4) * 4).to(Int64)
             copy_bytes(atom4, 4, src,
                        scales + ((stage * self.mats + mat) * 2 * BLOCK_M + tidx) * 4)
-        # Token codes: bn rows x 8 chunks; rows past the tile's count repeat its first row
-        # (never stored). Token scales: one f32 per row.
+        # Token codes: bn rows x 8 chunks; token scales: one f32 per row. Rows past the
+        # tile's count are not copied (as in the bf16 kernel: their columns are never
+        # stored, and repeating the first row made same-address requests).
         sB_vec = cute.flat_divide(sB, (1, CHUNK))[0, None, None, None, None]
         x_base = mX.iterator.toint()
         for i in cutlass.range_constexpr((bn * 8 + 127) // 128):
             flat = i * 128 + tidx
             if flat < bn * 8:
                 tr, c = flat // 8, flat % 8
-                src_row = row0 + (tr if tr < rows else 0)
-                src = x_base + src_row.to(Int64) * k_in + (kb * BLOCK_K + c * CHUNK).to(Int64)
-                s = cute.make_tensor(cute.make_ptr(self.dtype, src, cute.AddressSpace.gmem,
-                                                   assumed_align=16),
-                                     cute.make_layout((CHUNK,)))
-                cute.copy(cute.make_copy_atom(
-                    cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-                    self.dtype, num_bits_per_copy=128), s, sB_vec[None, tr, c, stage])
-        if tidx < bn:
-            src_row = row0 + (tidx if tidx < rows else 0)
-            src = mXs.iterator.toint() + (src_row.to(Int64) * (k_in // BLOCK_K) + kb) * 4
+                if tr < rows:
+                    src = (x_base + (row0 + tr).to(Int64) * k_in
+                           + (kb * BLOCK_K + c * CHUNK).to(Int64))
+                    s = cute.make_tensor(cute.make_ptr(self.dtype, src,
+                                                       cute.AddressSpace.gmem,
+                                                       assumed_align=16),
+                                         cute.make_layout((CHUNK,)))
+                    cute.copy(cute.make_copy_atom(
+                        cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                        self.dtype, num_bits_per_copy=128), s, sB_vec[None, tr, c, stage])
+        if tidx < rows:                   # rows <= bn
+            src = mXs.iterator.toint() + ((row0 + tidx).to(Int64) * (k_in // BLOCK_K) + kb) * 4
             copy_bytes(atom4, 4, src, xs + (stage * bn + tidx) * 4)
 
     @cute.jit
