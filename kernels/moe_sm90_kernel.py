@@ -19,8 +19,9 @@ negative (the schedule's static worst case exceeds the real tiles) exits at once
 Dataflow (256 threads: a producer warpgroup WG0 and a math warpgroup WG1):
 
 1. WG0 issues ``cp.async`` for each K block of 128: the raw weight bytes of the tile's 64
-   rows (per matrix), their scale bytes (4 B), and the ``block_n`` token rows (bf16) into a
-   128B-swizzled K-major tile; ``num_stages`` stages form an mbarrier pipeline.
+   rows (per matrix), their scale bytes (4 B), and the tile's token rows (bf16) into a
+   128B-swizzled K-major tile of ``block_n`` rows (rows past the tile's count are not copied:
+   their columns are never stored); ``num_stages`` stages form an mbarrier pipeline.
 2. WG1 waits for a stage and converts the raw bytes to BF16 into a double-buffered,
    swizzled A tile: FP4 codes look their bf16 bytes up with byte permutes and are
    multiplied by the E8M0 scale; FP8 codes are shifted into bf16 bits times 2^-120 and
