@@ -12,7 +12,7 @@
 #       (the MoE op's GPU tests in two halves, one process; narrow with a pytest -k
 #        expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests_all
-#       (every MoE GPU case, six processes at once on the one GPU: about 8 min)
+#       (every MoE GPU case, seven processes at once on the one GPU: about 8 min)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -74,7 +74,7 @@ if [[ $what == moe_tests ]]; then
     | tee "$OUT/moe_gpu_tests_$part.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -40
 fi
 if [[ $what == moe_tests_all ]]; then
-  # Every MoE GPU case in one call: six pytest processes share the GPU (compilation, on the
+  # Every MoE GPU case in one call: seven pytest processes share the GPU (compilation, on the
   # CPU, is most of a case). The platform allocator gives freed memory back at once, so the
   # processes need the sum of what they hold at a time, not of their peaks; Pro (the largest
   # weights and reference) alone in one process.
@@ -88,7 +88,8 @@ if [[ $what == moe_tests_all ]]; then
   run_part pro "pro" &
   run_part flash_fp4 "flash and fp4" &
   run_part flash_rest "flash and not fp4" &
-  run_part small_general "not decode_kernels and not flash and not pro" &
+  run_part small_general_fp4 "not decode_kernels and not flash and not pro and fp4" &
+  run_part small_general_rest "not decode_kernels and not flash and not pro and not fp4" &
   run_part small_decode_fp4 "decode_kernels and small and fp4" &
   run_part small_decode_rest "decode_kernels and small and not fp4" &
   wait
