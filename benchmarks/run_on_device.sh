@@ -95,7 +95,8 @@ if [[ $what == moe_tests_all ]]; then
   wait
   for f in "$OUT"/moe_gpu_tests_*.log; do
     echo "== $f"; grep -E "FAILED|ERROR|Timeout|[0-9]+ (passed|failed)" "$f" | tail -8
-    echo "last: $(grep -E 'PASSED|FAILED' "$f" | tail -1)"
+    echo "PASSED $(grep -c ' PASSED' "$f"), FAILED $(grep -c ' FAILED' "$f"), last: $(grep -E \
+      ' PASSED| FAILED' "$f" | tail -1)"
   done
 fi
 if [[ $what == moe_detail ]]; then
