@@ -58,12 +58,12 @@ class MoeGemmSm90Config:
     # K blocks one after another bound the launch, not the bytes.
     split_k: int = 1
     # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
-    # weight bytes fetched only for the first stages, "no_dequant", "no_mma"; "mma_sync"
-    # also: "no_token_load" / "no_scale_load" as no_load for the token rows / scales);
+    # weight bytes fetched only for the first stages, "no_dequant", "no_mma",
+    # "no_token_load": as no_load for the token rows; "mma_sync" also "no_scale_load");
     # their outputs are wrong by design.
     ablation: str = ""
 
-    ABLATIONS = ("", "no_load", "no_dequant", "no_mma")
+    ABLATIONS = ("", "no_load", "no_dequant", "no_mma", "no_token_load")
     WARP_ABLATIONS = ("", "no_load", "no_dequant", "no_mma", "no_token_load",
                       "no_scale_load")
 

@@ -178,6 +178,9 @@ class MoeGemmSm90:
             issue = True
             if const_expr(self.ablation == "no_load"):
                 issue = kb < self.num_stages
+            issue_tokens = True
+            if const_expr(self.ablation == "no_token_load"):
+                issue_tokens = kb < self.num_stages
             for mat in cutlass.range_constexpr(self.mats):
                 w_base = (mWa if mat == 0 else mWb).iterator.toint()
                 s_base = (mSa if mat == 0 else mSb).iterator.toint()
@@ -214,7 +217,7 @@ class MoeGemmSm90:
                 flat = i * 128 + tidx
                 if flat < bn * 16:
                     r, c = flat // 16, flat % 16
-                    if r < rows:
+                    if r < rows and issue_tokens:
                         src = x_base + ((row0 + r).to(Int64) * k_in + kb * BLOCK_K + c * 8) * 2
                         self.copy_bf16x8(src, sB_vec[None, r, c, stage])
             cp_async_arrive(pipe.producer_get_barrier(state))

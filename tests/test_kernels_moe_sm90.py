@@ -118,7 +118,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
         assert not supported and words in why, (change, why)
     for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x"),
                 dict(algorithm="simt"), dict(algorithm="mma_sync", block_n=16),
-                dict(algorithm="wgmma", ablation="no_token_load")):
+                dict(algorithm="wgmma", ablation="no_scale_load")):
         with pytest.raises(ValueError, match="MoeGemmSm90Config"):
             support.MoeGemmSm90Config(**bad)
     for fmt in support.WEIGHT_FORMATS:
@@ -579,3 +579,17 @@ def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
     mma = len(re.findall(r"mma\.sync\.aligned", ptx))
     assert mma == (0 if ablation == "no_mma" else 16)
     assert ptx.count("cp.async.wait_group") == 2
+
+
+@pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.ABLATIONS[1:])
+def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
+    """The WGMMA kernel's benchmark-only variants (moe_kernel_ablation.py at prefill sizes)
+    build for sm_90a; "no_mma" issues no WGMMA, the others as many as the kernel itself."""
+    config = dataclasses.replace(support.PREFILL_CONFIG, ablation=ablation)
+    ptx = _compile("fp4", True, config, a=512, k=1024).artifacts.PTX
+    shipped = _compile("fp4", True, support.PREFILL_CONFIG, a=512, k=1024).artifacts.PTX
+    count = lambda text: len(re.findall(r"wgmma\.mma_async", text))
+    assert count(shipped) > 0
+    assert count(ptx) == (0 if ablation == "no_mma" else count(shipped))
+    # The load ablations keep the copies of the first stages: cp.async is still there.
+    assert "cp.async" in ptx
