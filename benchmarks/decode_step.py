@@ -254,24 +254,32 @@ def run_prefill(args, base, params_big, out):
                 lines.append(f"| {impl} | {chunk} | skip | skip | | | |")
                 continue
             t = {}
-            try:
-                for layers in (small, big):
+            for layers in (small, big):
+                # Each stack on its own: whether the small one fits is a result of its own
+                # (the 8192-token chunk of a 2-layer stack) when the big one does not.
+                try:
                     cfg = stack_config(base, layers)
                     med, comp, finite, state = time_prefill(cfg, sub_stack(params_big, layers),
                                                             chunk, args.prefill_runs)
-                    t[layers] = med
-                    print(f"prefill {impl} chunk={chunk} L={layers}: {med * 1e3:.1f} ms "
-                          f"(compile {comp:.0f} s, finite {finite})", flush=True)
-                    if layers == big and chunk == args.profile_chunk:
-                        keep[impl] = state
-                    del state
-            except Exception as err:                 # XLA's MoE at long chunks: say so
-                if "RESOURCE_EXHAUSTED" not in str(err) and "memory" not in str(err).lower():
-                    raise
-                lines.append(f"| {impl} | {chunk} | oom | oom | | | |")
+                except Exception as err:             # out of memory at long chunks: say so
+                    if ("RESOURCE_EXHAUSTED" not in str(err)
+                            and "memory" not in str(err).lower()):
+                        raise
+                    print(f"prefill {impl} chunk={chunk} L={layers}: out of memory",
+                          flush=True)
+                    continue
+                t[layers] = med
+                print(f"prefill {impl} chunk={chunk} L={layers}: {med * 1e3:.1f} ms "
+                      f"(compile {comp:.0f} s, finite {finite})", flush=True)
+                if layers == big and chunk == args.profile_chunk:
+                    keep[impl] = state
+                del state
+            cells = {n: f"{t[n] * 1e3:.1f}" if n in t else "oom" for n in (small, big)}
+            if len(t) < 2:
+                lines.append(f"| {impl} | {chunk} | {cells[small]} | {cells[big]} | | | |")
                 continue
             per = (t[big] - t[small]) / (big - small)
-            lines.append(f"| {impl} | {chunk} | {t[small] * 1e3:.1f} | {t[big] * 1e3:.1f} | "
+            lines.append(f"| {impl} | {chunk} | {cells[small]} | {cells[big]} | "
                          f"{per * 1e3:.2f} | {chunk / per:.0f} | {chunk / t[big]:.0f} |")
     out.append("\n".join(lines))
     print(out[-1], flush=True)

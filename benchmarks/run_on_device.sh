@@ -13,6 +13,8 @@
 #        expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests_all
 #       (every MoE GPU case, seven processes at once on the one GPU: about 8 min)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh model
+#       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -72,6 +74,17 @@ if [[ $what == moe_tests ]]; then
     python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=5 \
     -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
     | tee "$OUT/moe_gpu_tests_$part.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -40
+fi
+if [[ $what == model ]]; then
+  # Model level at real Flash dims (decode_step.py): prefill chunks with the 4096-token
+  # breakdown (kernels only past 2048 tokens: XLA's MoE runs out of memory there), then
+  # decode per layer, kernels vs the MoE on XLA, with the batch-8 breakdown; each bounded.
+  timeout ${PREFILL_TIMEOUT:-300} python3 benchmarks/decode_step.py --prefill \
+    --chunks ${CHUNKS:-512,2048,4096,8192} --impls auto,moe=xla --out "$OUT/model_prefill.md" \
+    2>&1 | grep -v Warning | tee "$OUT/model_prefill.log" | grep -E "^prefill|^\|" | tail -40
+  timeout ${DECODE_TIMEOUT:-260} python3 benchmarks/decode_step.py --decode \
+    --batches ${BATCHES:-1,8,64} --impls auto,moe=xla --out "$OUT/model_decode.md" 2>&1 \
+    | grep -v Warning | tee "$OUT/model_decode.log" | grep -E "^decode|^\|" | tail -40
 fi
 if [[ $what == moe_tests_all ]]; then
   # Every MoE GPU case in one call: seven pytest processes share the GPU (compilation, on the
