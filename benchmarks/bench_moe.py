@@ -3,7 +3,7 @@
     python benchmarks/bench_moe.py [--shapes flash,pro] [--tokens 1,8,64,512,4096,16384]
                                    [--routings balanced,skewed] [--weights fp4|fp8|bf16]
                                    [--xla-max-tokens 4096] [--no-xla] [--runs 20]
-                                   [--algorithms wgmma,mma_sync] [--quick] [--tiny]
+                                   [--algorithms mma_fp8,mma_sync] [--quick] [--tiny]
                                    [--out table.md]
 
 Shapes: Flash E=256 experts, d=4096, inter=2048, k=6; Pro E=384, d=7168, inter=3072, k=6.
@@ -221,7 +221,7 @@ def parse_args(argv=None):
                    help="skip the XLA reference above this many tokens")
     p.add_argument("--no-xla", action="store_true")
     p.add_argument("--runs", type=int, default=20, help="timed executions per case (>= 20)")
-    p.add_argument("--algorithms", default="wgmma,mma_sync",
+    p.add_argument("--algorithms", default="mma_fp8,mma_sync",
                    help="kernel algorithms timed for decode-size inputs (DSV4_MOE_ALGORITHM)")
     p.add_argument("--quick", action="store_true",
                    help="Flash only, T 1/64/4096, balanced routing, 20 runs")

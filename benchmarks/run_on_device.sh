@@ -13,6 +13,7 @@
 #        expression K, e.g. "small", "flash and not wgmma", "pro or wgmma")
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests_all
 #       (every MoE GPU case, seven processes at once on the one GPU: about 8 min)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_bench [bench_moe args]
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh model
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 set -u
@@ -74,6 +75,11 @@ if [[ $what == moe_tests ]]; then
     python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=5 \
     -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
     | tee "$OUT/moe_gpu_tests_$part.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -40
+fi
+if [[ $what == moe_bench ]]; then
+  # The op benchmark in full: Flash and Pro, T = 1 ... 16384, balanced and skewed routings.
+  timeout ${BENCH_TIMEOUT:-560} python3 benchmarks/bench_moe.py --out "$OUT/bench_moe_full.md" \
+    "$@" 2>&1 | grep -v Warning | tee "$OUT/bench_moe_full.log" | tail -40
 fi
 if [[ $what == model ]]; then
   # Model level at real Flash dims (decode_step.py): prefill chunks with the 4096-token
