@@ -13,7 +13,6 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import conftest  # noqa: E402,F401  (CuTe DSL target, XLA flags: as in the tests)
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import test_moe as tm  # noqa: E402
@@ -23,30 +22,25 @@ from dsv4_jax.ffi import moe as op  # noqa: E402
 def phases(case: str) -> None:
     dims, fmt, t, routing = case.split("-")
     t = int(t)
-    e, d, inter, k = tm.DIMS[dims]
     start = time.perf_counter()
 
     def mark(what):
         print(f"{case}: {what} at {time.perf_counter() - start:7.2f} s", flush=True)
 
-    p = jax.block_until_ready(tm._device_weights(dims, fmt))
+    p, args, kw, f = tm.case_inputs("cute", dims, fmt, t, routing)
+    jax.block_until_ready(p)
     mark("weights")
-    idx, w = tm._routing(routing, t, e, k)
-    x = jax.random.normal(jax.random.key(7 + t), (t, d), jnp.float32).astype(jnp.bfloat16)
-    kw = dict(swiglu_limit=tm.LIMIT, quantized=fmt != "bf16", simulate=True)
-    rows = idx.shape[0] * idx.shape[1]
+    e, d, inter, _ = tm.DIMS[dims]
+    rows = args[1].size
     config = op._choose_config(rows, e, fmt, d, inter, simulate=True)
     mark(f"rows {rows}, config {config}")
-    f = jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts(x, i, w, w1, w3, w2, **kw,
-                                                           implementation="cute"))
-    args = (x, idx, w, p["w1"], p["w3"], p["w2"])
     compiled = f.lower(*args).compile()
     mark("op compiled")
     got = jax.block_until_ready(compiled(*args))
     mark("op first run")
     again = jax.block_until_ready(compiled(*args))
     mark("op second run")
-    want = jax.block_until_ready(tm._reference_chunked(x, idx, w, p, **kw))
+    want = jax.block_until_ready(tm._reference_chunked(*args[:3], p, **kw))
     mark("reference")
     same = np.array_equal(np.asarray(got), np.asarray(again))
     print(f"{case}: rel err {tm._rel_err(got, want):.3e}, repeatable {same}, "

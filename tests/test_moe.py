@@ -349,24 +349,31 @@ def _rel_err(got, want):
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
-def check_implementation(impl, dims, fmt, t, routing, simulate=True):
-    """Shared body: the op with ``impl`` vs the reference on a random routing."""
+def case_inputs(impl, dims, fmt, t, routing, simulate=True):
+    """One case's weights ``p``, op arguments ``(x, idx, w, w1, w3, w2)``, numerics ``kw``
+    and the jitted op (also used by benchmarks/moe_case_phases.py). The weights are
+    arguments: closed over, jax 0.11.2 on the GPU made them constants of the program, and
+    compiling GBs of constants took ~170 s of every Flash/Pro case (2-10 s as arguments;
+    measured with benchmarks/moe_case_phases.py, H200, 2026-11-23)."""
     e, d, inter, k = DIMS[dims]
     p = _device_weights(dims, fmt)
     idx, w = _routing(routing, t, e, k)
     x = jax.random.normal(jax.random.key(7 + t), (t, d), jnp.float32).astype(jnp.bfloat16)
     kw = dict(swiglu_limit=LIMIT, quantized=fmt != "bf16", simulate=simulate)
-    # The weights are arguments: closed over, jax 0.11.2 on the GPU made them constants of
-    # the program, and compiling GBs of constants took ~170 s of every Flash/Pro case (5-10 s
-    # as arguments; measured with benchmarks/moe_case_phases.py, H200, 2026-11-23).
     f = jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts(x, i, w, w1, w3, w2, **kw,
                                                            implementation=impl))
-    args = (x, idx, w, p["w1"], p["w3"], p["w2"])
+    return p, (x, idx, w, p["w1"], p["w3"], p["w2"]), kw, f
+
+
+def check_implementation(impl, dims, fmt, t, routing, simulate=True):
+    """Shared body: the op with ``impl`` vs the reference on a random routing."""
+    p, args, kw, f = case_inputs(impl, dims, fmt, t, routing, simulate)
+    x, idx, w = args[:3]
     got = f(*args)
     again = f(*args)
     want = _reference_chunked(x, idx, w, p, **kw)
     got_np = np.asarray(got)
-    assert got.shape == (t, d) and got.dtype == jnp.float32
+    assert got.shape == x.shape and got.dtype == jnp.float32
     assert np.all(np.isfinite(got_np)), "NaN/inf in the output"
     np.testing.assert_array_equal(got_np, np.asarray(again))       # repeatable, fully written
     assert _rel_err(got, want) < 1e-2, _rel_err(got, want)
