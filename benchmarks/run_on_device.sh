@@ -64,17 +64,22 @@ ncu_report() {  # $1: report name under $OUT; details, source-level stall table
     "$OUT/ncu_details_$1.txt" | head -30
   python3 benchmarks/ncu_top_stalls.py "$OUT/ncu_sass_$1.csv" 45
 }
+# The MoE op's GPU tests on one -k expression, into $OUT/moe_gpu_tests_NAME.log. XLA's GEMM
+# autotuning off: each case compiles new XLA programs (the op and the chunked reference at
+# its own shapes), and autotuning made that most of a Flash/Pro case's time. -v: a case
+# that passed is on record even when the time limit cuts the run short.
+moe_pytest() {  # name, -k expression
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-540} \
+    python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=8 -k "$2" \
+    tests/test_moe.py tests/test_moe_glue.py tests/test_model_gpu.py \
+    >"$OUT/moe_gpu_tests_$1.log" 2>&1
+}
 if [[ $what == moe_tests ]]; then
   part=${1:-general}
   select=$([[ $part == decode ]] && echo "decode_kernels" || echo "not decode_kernels")
   [[ -n ${2:-} ]] && select="$select and ($2)"   # e.g. "flash and not wgmma"
-  # XLA's GEMM autotuning off: each case compiles new XLA programs (the op and the chunked
-  # reference at its own shapes), and autotuning made that most of a Flash/Pro case's time.
-  # -v: a case that passed is on record even when the time limit cuts the run short.
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-540} \
-    python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=5 \
-    -k "$select" tests/test_moe.py tests/test_moe_glue.py 2>&1 \
-    | tee "$OUT/moe_gpu_tests_$part.log" | grep -E "PASSED|FAILED|ERROR|passed|failed" | tail -40
+  moe_pytest "$part" "$select"
+  grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/moe_gpu_tests_$part.log" | tail -40
 fi
 if [[ $what == moe_bench ]]; then
   # The op benchmark in full: Flash and Pro, T = 1 ... 16384, balanced and skewed routings.
@@ -97,13 +102,7 @@ if [[ $what == moe_tests_all ]]; then
   # CPU, is most of a case). The platform allocator gives freed memory back at once, so the
   # processes need the sum of what they hold at a time, not of their peaks; Pro (the largest
   # weights and reference) alone in one process.
-  run_part() {  # name, -k expression
-    XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-540} \
-      python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=8 -k "$2" \
-      tests/test_moe.py tests/test_moe_glue.py tests/test_model_gpu.py \
-      >"$OUT/moe_gpu_tests_$1.log" 2>&1
-  }
+  run_part() { XLA_PYTHON_CLIENT_ALLOCATOR=platform moe_pytest "$@"; }
   run_part pro "pro" &
   run_part flash_fp4 "flash and fp4" &
   run_part flash_rest "flash and not fp4" &
