@@ -85,7 +85,7 @@ class Block(nn.Module):
             RMSNorm(cfg.dim, cfg.norm_eps, name="attn_norm")(y), lcache, lengths, num_new)
         x = hc_post(a, x, post, comb)
         y, post, comb = self._mhc_pre(x, "ffn")
-        f = MoE(cfg, self.layer_id, self.mesh, name="ffn")(
+        f = MoE(cfg, self.layer_id, self.mesh, self.implementation, name="ffn")(
             RMSNorm(cfg.dim, cfg.norm_eps, name="ffn_norm")(y), token_ids)
         return hc_post(f, x, post, comb), lcache, pending
 

@@ -25,8 +25,8 @@ def _config(expert_dtype):
     return dj.Config.tiny(quantized=True, expert_dtype="fp8", dim=512, moe_inter_dim=512)
 
 
-def _lower(cfg, tokens, platform="cuda"):
-    model = dj.DSV4(cfg, runtime_checks=False)
+def _lower(cfg, tokens, platform="cuda", implementation=None):
+    model = dj.DSV4(cfg, implementation=implementation, runtime_checks=False)
     params = abstract_params(cfg)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, BATCH, 256))
     tok = jax.ShapeDtypeStruct((BATCH, tokens), jnp.int32)
@@ -82,3 +82,13 @@ def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(monkeypatch, ex
 def test_model_step_lowered_for_cpu_has_no_kernel(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     assert CUSTOM_CALL not in _lower(_config("fp4"), 1, platform="cpu")
+
+
+@pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
+def test_model_implementation_xla_reaches_the_moe_op(monkeypatch, expert_dtype):
+    """``DSV4(implementation="xla")`` puts every op, the routed experts included, on its
+    reference: lowered for CUDA, the decode step has no custom call (the MoE once ignored it)."""
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    cfg = _config(expert_dtype)
+    assert CUSTOM_CALL in _lower(cfg, 1)
+    assert CUSTOM_CALL not in _lower(cfg, 1, implementation="xla")
