@@ -139,6 +139,15 @@ class MoeGemmSm90Config:
 
 DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
 PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
+# WGMMA tiles of 64 rows between the warp kernels' range and PREFILL_CONFIG's.
+MID_CONFIG = MoeGemmSm90Config(block_n=64, num_stages=4)
+# Rows per expert (on average) up to which the warp kernels (8-row tiles) run, and up to
+# which MID_CONFIG does. Measured crossover, H200, Flash gated launch (E = 256, k = 6;
+# docs/performance.md, 2026-11-23): T = 512 (12 rows per expert) mma_fp8 1429 us vs WGMMA
+# 2374 (64-row tiles) / 3003 (128); T = 1024 (24) 64-row WGMMA 2422 vs mma_fp8 2548 vs
+# 128-row 3070; T = 4096 (96) 128-row 3294 vs 64-row 4894 (linear crossover ~45).
+WARP_ROWS_PER_EXPERT = 16
+MID_ROWS_PER_EXPERT = 40
 # The warp-level decode kernels ("mma_sync", "mma_fp8"); 4 stages leave several CTAs per SM.
 DECODE_MMA_SYNC_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
@@ -269,8 +278,9 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
                   k_ins: tuple[int, ...] = (),
                   few_rows_split_k: int = DEFAULT_SPLIT_K_FEW_ROWS) -> MoeGemmSm90Config:
-    """Decode tiles (8 rows) while the average expert holds few rows, else prefill tiles.
-    Decode tiles run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8
+    """Decode tiles (8 rows) while the average expert holds at most
+    ``WARP_ROWS_PER_EXPERT`` rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``,
+    then 128). Decode tiles run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8
     algorithms ("mma_fp8", "wgmma_fp8") need FP4/FP8 weights and FP8-quantised activations
     (``fp8_activations``: the simulation is on), else they become "mma_sync" / "wgmma";
     "wgmma_fp8" also an even number of K blocks in each of ``k_ins``, the input features of
@@ -285,7 +295,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
             raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
-    decode = num_rows <= 4 * num_experts
+    decode = num_rows <= WARP_ROWS_PER_EXPERT * num_experts
     fp8_ok = weight_format != "bf16" and fp8_activations
     if decode_algorithm == "mma_fp8" and not fp8_ok:
         decode_algorithm = "mma_sync"
@@ -305,8 +315,10 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
         config = PREFILL_FP8_CONFIG
         if decode:
             config = dataclasses.replace(config, block_n=DECODE_CONFIG.block_n)
+    elif decode:
+        config = DECODE_CONFIG
     else:
-        config = DECODE_CONFIG if decode else PREFILL_CONFIG
+        config = MID_CONFIG if num_rows <= MID_ROWS_PER_EXPERT * num_experts else PREFILL_CONFIG
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:

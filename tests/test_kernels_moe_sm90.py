@@ -128,7 +128,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
         config = support.choose_config(8, 256, fmt, decode_algorithm="mma_sync")
         assert config.algorithm == "mma_sync" and config.block_n == 8
         assert 2 * config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, config)
-        assert support.choose_config(4096, 256, fmt, "mma_sync").algorithm == "wgmma"
+        assert support.choose_config(8192, 256, fmt, "mma_sync").algorithm == "wgmma"
     with pytest.raises(ValueError, match="decode_algorithm"):
         support.choose_config(8, 256, "fp4", "simt")
 
@@ -528,12 +528,26 @@ def test_k_split_for_few_rows():
         support.MoeGemmSm90Config(block_n=64, num_stages=3, algorithm="wgmma", split_k=2)
 
 
+def test_tile_size_follows_the_rows_per_expert_crossover():
+    """Warp kernels (8-row tiles) up to 16 rows per expert, 64-row WGMMA tiles up to 40,
+    then 128 (the H200 crossover in kernels/moe_sm90.py); bf16 weights cap tiles at 64."""
+    e = 256
+    picks = {rows: support.choose_config(rows, e, "fp4") for rows in
+             (6, 16 * e, 16 * e + 1, 40 * e, 40 * e + 1, 96 * e)}
+    assert [(c.algorithm, c.block_n) for c in picks.values()] == [
+        ("mma_fp8", 8), ("mma_fp8", 8), ("wgmma", 64), ("wgmma", 64), ("wgmma", 128),
+        ("wgmma", 128)]
+    assert support.choose_config(96 * e, e, "bf16").block_n == 64
+    assert support.choose_config(12 * e, e, "fp4", fp8_activations=False).algorithm \
+        == "mma_sync"
+
+
 def test_mma_fp8_falls_back_where_it_does_not_apply():
     assert support.choose_config(8, 256, "fp4", "mma_fp8").algorithm == "mma_fp8"
     assert support.choose_config(8, 256, "bf16", "mma_fp8").algorithm == "mma_sync"
     assert support.choose_config(8, 256, "fp4", "mma_fp8", fp8_activations=False).algorithm \
         == "mma_sync"
-    assert support.choose_config(4096, 256, "fp4", "mma_fp8").algorithm == "wgmma"
+    assert support.choose_config(8192, 256, "fp4", "mma_fp8").algorithm == "wgmma"
     config = support.MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
     ok, why = config.is_supported(weight_format="bf16", gated=True, n_out=256, k_in=512,
                                   x_dtype="bfloat16", num_tiles=8)

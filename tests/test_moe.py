@@ -401,6 +401,10 @@ GPU_CASES = ([("small", f, t, r) for f in ("fp4", "fp8", "bf16") for t in (1, 3,
              + [("flash", f, t, r) for f in ("fp4", "fp8") for t, r in itertools.product(
                  (1, 3, 8, 64, 4096), ("random", "one_expert"))]
              + [("flash", "bf16", t, "random") for t in (8, 4096)]
+             # Either side of choose_config's crossovers (16 and 40 rows per expert):
+             # 12 and 24 (Flash T = 512, 1024), 32 (small T = 128: 64-row WGMMA tiles).
+             + [("flash", f, t, "random") for f in ("fp4", "fp8") for t in (512, 1024)]
+             + [("small", f, 128, "random") for f in ("fp4", "fp8", "bf16")]
              + [("pro", f, t, r) for f in ("fp4", "fp8") for t, r in itertools.product(
                  (1, 8, 64, 4096), ("random", "few_experts"))])
 

@@ -46,7 +46,7 @@ def _kernel_supports(cfg, tokens):
 
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
-    ("fp4", 1, ""), ("fp4", 16, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
+    ("fp4", 1, ""), ("fp4", 64, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
     ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync")],
     ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-sync",
          "fp8-decode-mma-sync"])
@@ -72,9 +72,9 @@ def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(monkeypatch, ex
     cfg = dj.Config.tiny(quantized=True, expert_dtype=expert_dtype, dim=512, moe_inter_dim=512)
     monkeypatch.setenv(moe_op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
     monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
-    ok, why = _kernel_supports(cfg, 16)
+    ok, why = _kernel_supports(cfg, 64)     # 256 rows: 32 per expert, prefill tiles
     assert ok, why
-    text = _lower(cfg, 16)
+    text = _lower(cfg, 64)
     assert MOE_KERNEL["wgmma_fp8"] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != "wgmma_fp8" and name in text]
 
