@@ -12,9 +12,10 @@ generated on the device with jax.random. Routings: ``balanced`` -- each token pi
 experts uniformly; ``skewed`` -- expert e is picked with probability ~ 1/(e+1) (a few hot
 experts hold most rows, many get none).
 
-Kernel algorithms (``DSV4_MOE_ALGORITHM``) for decode-size inputs (rows <= 4 E): each of
-``--algorithms`` is timed; "ours" is the fastest, the per-algorithm times are listed. Larger
-inputs run the WGMMA prefill tiles whatever the choice, so they are timed once.
+Kernel algorithms (``DSV4_MOE_ALGORITHM``) for decode-size inputs (the warp kernels' range
+of ``choose_config``: rows <= ``WARP_ROWS_PER_EXPERT`` E): each of ``--algorithms`` is timed;
+"ours" is the fastest, the per-algorithm times are listed. Larger inputs run the WGMMA
+prefill tiles whatever the choice, so they are timed once.
 
 Timing: one jitted function runs R calls on R distinct input sets (own tokens and routing, so
 consecutive calls touch different experts and nothing stays in the 60 MB L2); the median over
@@ -45,6 +46,7 @@ import numpy as np
 
 from dsv4_jax import quant
 from dsv4_jax.ffi.moe import ALGORITHM_ENV_VAR, moe_experts
+from dsv4_jax.kernels.moe_sm90 import WARP_ROWS_PER_EXPERT
 
 PEAK_TBPS = 4.3
 PEAK_TFLOPS = 790.0
@@ -149,7 +151,7 @@ def bench_case(name, shape, weights, tokens, kind, args, on_gpu):
     flops = 2 * tokens * shape["k"] * 3 * shape["dim"] * shape["inter"]
     row = dict(shape=name, weights=args.weights, T=tokens, routing=kind, touched=touched,
                reps=reps, nbytes=nbytes, flops=flops)
-    decode = tokens * shape["k"] <= 4 * shape["experts"]
+    decode = tokens * shape["k"] <= WARP_ROWS_PER_EXPERT * shape["experts"]
     algorithms = args.algorithms.split(",") if decode else ["wgmma"]
     runs = ([("cute", a) for a in algorithms] if on_gpu else []) + (
         [] if args.no_xla else [("xla", "")])
