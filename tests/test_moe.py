@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import moe_cases
 from dsv4_jax import quant
 from dsv4_jax.ffi import moe as op
+from dsv4_jax.kernels.moe_sm90 import WARP_ROWS_PER_EXPERT
 from dsv4_jax.models import moe
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -480,15 +481,16 @@ def test_decode_algorithm_comes_from_the_environment(monkeypatch):
         op.decode_algorithm()
 
 
-# Decode-size inputs only (rows <= 4 E), where the decode algorithm applies: the default
-# ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token counts and routings than
-# GPU_CASES, and the others ("mma_sync" for FP4/FP8; "wgmma": the prefill kernel with 8-row
+# Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
+# applies: the default ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token
+# counts and routings than GPU_CASES, and the others ("mma_sync" for FP4/FP8; "wgmma": the prefill kernel with 8-row
 # tiles, kept selectable) on fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
                 # Flash/Pro at T = 1, 8, 64 with the default: GPU_CASES (simulating) and the
-                # test without simulation; here the largest decode-size input only.
+                # test without simulation; here T = 170 (4 rows per expert; GPU_CASES has
+                # Flash T = 512, 12 per expert, with the default).
                 + [("flash", f, 170, r, "") for f in ("fp4", "fp8")
                    for r in ("random", "one_expert")]
                 + [("small", f, t, r, "mma_sync") for f in ("fp4", "fp8") for t in (1, 3, 8, 16)
@@ -506,7 +508,7 @@ DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in
 def test_decode_kernels_match_the_reference(monkeypatch, dims, fmt, t, routing, algorithm):
     e, _, _, k = DIMS[dims]
     rows = t * (1 if routing == "one_expert" else k)
-    assert rows <= 4 * e, "not a decode-size case: the prefill kernel would run"
+    assert rows <= WARP_ROWS_PER_EXPERT * e, "not a decode-size case: the prefill kernel would run"
     monkeypatch.setenv(op.ALGORITHM_ENV_VAR, algorithm)            # "": the default
     check_implementation("cute", dims, fmt, t, routing)
     check_implementation("cute", dims, fmt, t, routing, simulate=False)
