@@ -484,7 +484,8 @@ def test_decode_algorithm_comes_from_the_environment(monkeypatch):
 # Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
 # applies: the default ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token
 # counts and routings than GPU_CASES, and the others ("mma_sync" for FP4/FP8; "wgmma": the
-# prefill kernel with 8-row tiles, kept selectable) on fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
+# prefill kernel with 8-row tiles, kept selectable) on fewer. Narrow with -k (e.g. "small",
+# "mma_sync", "wgmma").
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
