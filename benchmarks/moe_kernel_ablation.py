@@ -37,8 +37,11 @@ def main(token_counts=(1, 8, 64, 4096), warp_only=False):
         w1, w3, w2, xa, ea, wa, touched = setup(T)
         E = 256
         base = ms.choose_config(xa.shape[0], E, "fp4", "wgmma")
-        variants = [base] + [dataclasses.replace(base, ablation=a)
-                             for a in ("no_dequant", "no_mma", "no_load", "no_token_load")]
+        # Joined ablations isolate one side: no loads (the math warpgroup alone), no
+        # conversion or MMA (the producer and the pipeline alone), nothing (the pipeline).
+        variants = [base] + [dataclasses.replace(base, ablation=a) for a in (
+            "no_dequant", "no_mma", "no_load", "no_token_load", "no_load+no_token_load",
+            "no_dequant+no_mma", "no_load+no_token_load+no_dequant+no_mma")]
         if warp_only:
             variants = []
         if T <= 64:

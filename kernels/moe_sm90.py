@@ -89,9 +89,18 @@ class MoeGemmSm90Config:
         allowed = {"mma_sync": self.WARP_ABLATIONS, "mma_fp8": ("",),
                    "wgmma_fp8": ("", "no_dequant", "no_mma")}.get(self.algorithm,
                                                                    self.ABLATIONS)
-        if self.ablation not in allowed:
+        # "wgmma" also takes several joined by "+" (e.g. "no_dequant+no_mma": the loads
+        # and the pipeline alone).
+        parts = self.ablation.split("+") if self.algorithm == "wgmma" else [self.ablation]
+        if (any(p not in allowed for p in parts) or len(set(parts)) != len(parts)
+                or (len(parts) > 1 and "" in parts)):
+            joined = " (or several joined by +)" if self.algorithm == "wgmma" else ""
             raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes ablation "
-                             f"in {allowed}, got {self.ablation!r}")
+                             f"in {allowed}{joined}, got {self.ablation!r}")
+
+    def leaves_out(self, stage: str) -> bool:
+        """Whether the ablation leaves ``stage`` (one of ``ABLATIONS``/``WARP_ABLATIONS``) out."""
+        return stage in self.ablation.split("+")
 
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
         mats = 2 if gated else 1

@@ -70,6 +70,8 @@ class MoeGemmSm90:
         self.block_n = config.block_n
         self.num_stages = config.num_stages
         self.ablation = config.ablation
+        self.leave_out = {stage: config.leaves_out(stage)
+                          for stage in ("no_load", "no_token_load", "no_dequant", "no_mma")}
         self.row_bytes = ROW_BYTES[weight_format]
         self.dtype = cutlass.BFloat16          # the WGMMA operands in shared memory
         self.out_dtype = cutlass.BFloat16
@@ -176,10 +178,10 @@ class MoeGemmSm90:
             pipe.producer_acquire(state)
             stage = state.index
             issue = True
-            if const_expr(self.ablation == "no_load"):
+            if const_expr(self.leave_out["no_load"]):
                 issue = kb < self.num_stages
             issue_tokens = True
-            if const_expr(self.ablation == "no_token_load"):
+            if const_expr(self.leave_out["no_token_load"]):
                 issue_tokens = kb < self.num_stages
             for mat in cutlass.range_constexpr(self.mats):
                 w_base = (mWa if mat == 0 else mWb).iterator.toint()
@@ -258,7 +260,7 @@ class MoeGemmSm90:
         for kb in cutlass.range(num_k, unroll=1):
             pipe.consumer_wait(state)
             parity = kb % 2
-            if const_expr(self.ablation != "no_dequant"):
+            if const_expr(not self.leave_out["no_dequant"]):
                 for mat in cutlass.range_constexpr(self.mats):
                     self.dequant(raw, scales, state.index, mat, kb, wg_tidx,
                                  sA_vec, mat * 2 + parity)
@@ -266,10 +268,10 @@ class MoeGemmSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DEQUANT_BARRIER, number_of_threads=128)
             cute.nvgpu.warpgroup.fence()
-            for kk in cutlass.range_constexpr(num_kk if self.ablation != "no_mma" else 0):
+            for kk in cutlass.range_constexpr(0 if self.leave_out["no_mma"] else num_kk):
                 cute.gemm(tiled_mma, acc_a, tCrA[None, None, kk, parity],
                           tCrB[None, None, kk, state.index], acc_a)
-            if const_expr(self.gated and self.ablation != "no_mma"):
+            if const_expr(self.gated and not self.leave_out["no_mma"]):
                 for kk in cutlass.range_constexpr(num_kk):
                     cute.gemm(tiled_mma, acc_b, tCrA[None, None, kk, 2 + parity],
                               tCrB[None, None, kk, state.index], acc_b)

@@ -118,9 +118,14 @@ def test_support_rejects_what_the_kernel_cannot_take():
         assert not supported and words in why, (change, why)
     for bad in (dict(block_n=12), dict(block_n=512), dict(num_stages=1), dict(ablation="x"),
                 dict(algorithm="simt"), dict(algorithm="mma_sync", block_n=16),
-                dict(algorithm="wgmma", ablation="no_scale_load")):
+                dict(algorithm="wgmma", ablation="no_scale_load"),
+                dict(algorithm="wgmma", ablation="no_mma+no_mma"),
+                dict(algorithm="wgmma", ablation="no_mma+"),
+                dict(algorithm="mma_sync", block_n=8, ablation="no_mma+no_load")):
         with pytest.raises(ValueError, match="MoeGemmSm90Config"):
             support.MoeGemmSm90Config(**bad)
+    joined = support.MoeGemmSm90Config(ablation="no_dequant+no_mma")
+    assert joined.leaves_out("no_mma") and not joined.leaves_out("no_load")
     for fmt in support.WEIGHT_FORMATS:
         for rows in (6, 48, 384, 24576):
             config = support.choose_config(rows, 256, fmt)
@@ -595,7 +600,8 @@ def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
     assert ptx.count("cp.async.wait_group") == 2
 
 
-@pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.ABLATIONS[1:])
+@pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.ABLATIONS[1:]
+                         + ("no_dequant+no_mma", "no_load+no_token_load+no_dequant+no_mma"))
 def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
     """The WGMMA kernel's benchmark-only variants (moe_kernel_ablation.py at prefill sizes)
     build for sm_90a; "no_mma" issues no WGMMA, the others as many as the kernel itself."""
@@ -604,6 +610,6 @@ def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
     shipped = _compile("fp4", True, support.PREFILL_CONFIG, a=512, k=1024).artifacts.PTX
     count = lambda text: len(re.findall(r"wgmma\.mma_async", text))
     assert count(shipped) > 0
-    assert count(ptx) == (0 if ablation == "no_mma" else count(shipped))
+    assert count(ptx) == (0 if "no_mma" in ablation else count(shipped))
     # The load ablations keep the copies of the first stages: cp.async is still there.
     assert "cp.async" in ptx
