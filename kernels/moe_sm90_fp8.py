@@ -220,7 +220,7 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
                         o = fp4x8_to_e4m3x8_table(codes[2 * c + w], t_lo, t_hi)
                         out[2 * w] = o[0]
                         out[2 * w + 1] = o[1]
-                    if const_expr(self.ablation != "no_dequant"):
+                    if const_expr(not self.leave_out["no_dequant"]):
                         sA_vec[None, r, half * 4 + j * 2 + c, buf].store(
                             out.load().bitcast(self.dtype))
         else:
@@ -229,7 +229,7 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
                 codes = cute.make_tensor(
                     cute.make_ptr(Int32, row_addr + half * 64 + c * 16, cute.AddressSpace.smem,
                                   assumed_align=16), cute.make_layout((4,))).load()
-                if const_expr(self.ablation != "no_dequant"):
+                if const_expr(not self.leave_out["no_dequant"]):
                     sA_vec[None, r, half * 4 + c, buf].store(codes.bitcast(self.dtype))
         if half == 0:
             slot = cute.make_tensor(
@@ -256,7 +256,7 @@ class MoeGemmFp8Sm90(MoeGemmSm90):
             a.fill(0.0)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, bn)))
         num_kk = cute.size(tCrA, mode=[2])
-        mma_mats = 0 if self.ablation == "no_mma" else self.mats
+        mma_mats = 0 if self.leave_out["no_mma"] else self.mats
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                              self.num_stages)
         # Two K blocks per iteration: both chains issued, then the first promoted while the

@@ -69,7 +69,6 @@ class MoeGemmSm90:
         self.swiglu_limit = float(swiglu_limit)
         self.block_n = config.block_n
         self.num_stages = config.num_stages
-        self.ablation = config.ablation
         self.leave_out = {stage: config.leaves_out(stage)
                           for stage in ("no_load", "no_token_load", "no_dequant", "no_mma")}
         self.row_bytes = ROW_BYTES[weight_format]
