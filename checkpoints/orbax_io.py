@@ -201,8 +201,8 @@ def load_orbax(path: str, *, dequantize=False, shardings=None, mesh=None, dtype=
 @functools.lru_cache(maxsize=None)
 def _dequant_fn(fmt: str, dtype: str):
     """One jitted dequantizer per format and dtype (XLA then caches per shape)."""
-    fn = quant.dequant_fp4_weight if fmt == "fp4" else quant.dequant_fp8_weight
-    return jax.jit(lambda w, s: fn(w, s).astype(dtype))
+    weight_format = quant.WEIGHT_FORMATS[fmt]
+    return jax.jit(lambda w, s: weight_format.dequantize(w, s, dtype))
 
 
 @jax.jit
@@ -220,7 +220,7 @@ def _to_target(keys, leaves: dict, target: jax.ShapeDtypeStruct, sharding):
         return x
     if keys[-1] == "weight" and scale_keys in leaves and x.dtype in (jnp.int8, quant.FP8_DTYPE):
         scale = leaves[scale_keys]
-        fmt = "fp4" if x.dtype == jnp.int8 else "fp8"
+        fmt = quant.weight_format(x, scale, name=name, op="load").name
         raw = jax.lax.bitcast_convert_type(scale, jnp.uint8)
         lo, hi = int(jnp.min(raw)), int(jnp.max(raw))
         if hi == 255:

@@ -12,6 +12,8 @@ bit for bit; ``tests/test_quant.py`` checks them against the shared reference ve
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -160,6 +162,87 @@ def dequant_fp4_weight(packed: jax.Array, scale: jax.Array, block: int = 32) -> 
     w = unpack_fp4(packed)
     s = jnp.repeat(e8m0_to_f32(scale), block, axis=-1)
     return w * s
+
+
+# ----------------------------------------------------------------------------- weight formats
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How one weight matrix ``W [out, in]`` is stored (docs/architecture.md §5.2, §5.3).
+
+    ``name`` is the one vocabulary every layer uses (ops, kernels, checkpoints): ``"fp4"``
+    (packed e2m1 codes, two per byte, E8M0 scale per 1 x 32 block along the input), ``"fp8"``
+    (e4m3 codes, E8M0 scale per 128 x 128 block), or a plain dtype name -- ``"bf16"``,
+    ``"f16"``, ``"f32"`` -- with no scale. Stacked weights (``[E, out, in]``) add leading dims.
+    """
+    name: str
+    scale_block: tuple[int, int] | None = None   # (rows, columns) per scale; None: plain
+    codes_per_byte: int = 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_block is not None
+
+    def stored_in(self, in_features: int) -> int:
+        """Stored length of a row of ``in_features`` values."""
+        return in_features // self.codes_per_byte
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int] | None:
+        """``[ceil(out / rows), ceil(in / cols)]`` E8M0 scales, or None for plain weights."""
+        if self.scale_block is None:
+            return None
+        rows, cols = self.scale_block
+        return -(-out_features // rows), -(-in_features // cols)
+
+    def dequantize(self, weight: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+        """The weight's exact values in ``dtype`` (code x power of two is exact in BF16)."""
+        if self is FP4:
+            return dequant_fp4_weight(weight, scale).astype(dtype)
+        if self is FP8:
+            return dequant_fp8_weight(weight, scale).astype(dtype)
+        return weight.astype(dtype)
+
+
+FP4 = WeightFormat("fp4", (1, 32), 2)
+FP8 = WeightFormat("fp8", (128, 128))
+BF16 = WeightFormat("bf16")
+F16 = WeightFormat("f16")
+F32 = WeightFormat("f32")
+WEIGHT_FORMATS = {f.name: f for f in (FP4, FP8, BF16, F16, F32)}
+_PLAIN_BY_DTYPE = {jnp.dtype(jnp.bfloat16): BF16, jnp.dtype(jnp.float16): F16,
+                   jnp.dtype(jnp.float32): F32}
+# Scale dtypes a quantised weight may carry: E8M0 (float8_e8m0fnu or its raw exponent bytes)
+# or f32 powers of two.
+SCALE_DTYPES = (jnp.dtype(E8M0_DTYPE), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float32))
+
+
+def weight_format(weight, scale=None, *, name: str = "weight", op: str = "weight") -> WeightFormat:
+    """The ``WeightFormat`` of ``weight`` (+ ``scale``) from the storage dtypes.
+
+    ``TypeError`` for an unknown storage dtype, ``ValueError`` when the scale's presence does
+    not fit the format; both name ``op`` and ``name`` with the shapes."""
+    dt = jnp.dtype(weight.dtype)
+    if dt in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)):
+        fmt = FP4
+    elif dt == jnp.dtype(FP8_DTYPE):
+        fmt = FP8
+    elif dt in _PLAIN_BY_DTYPE:
+        fmt = _PLAIN_BY_DTYPE[dt]
+    else:
+        raise TypeError(f"{op}: {name} must be packed FP4 (int8/uint8), FP8 e4m3 or "
+                        f"bf16/f16/f32; {name} has shape {tuple(weight.shape)} and dtype {dt}")
+    if not fmt.quantized and scale is not None:
+        raise ValueError(f"{op}: {name} is plain {dt} and takes no scale; {name} scale has "
+                         f"shape {tuple(scale.shape)} and dtype {scale.dtype}")
+    if fmt.quantized and scale is None:
+        raise ValueError(f"{op}: {name} is {fmt.name.upper()} ({name} has shape "
+                         f"{tuple(weight.shape)} and dtype {dt}) and needs its E8M0 scale, "
+                         f"got None")
+    return fmt
+
+
+def dequant_weight(weight: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    """A weight in any storage format as exact ``dtype`` values (plain weights: a cast)."""
+    return weight_format(weight, scale).dequantize(weight, scale, dtype)
 
 
 def quantize_fp8_weight(w: jax.Array, block: int = 128):
