@@ -46,7 +46,7 @@ import numpy as np
 
 from dsv4_jax import quant
 from dsv4_jax.ffi.moe import ALGORITHM_ENV_VAR, moe_experts
-from dsv4_jax.kernels.moe_sm90 import WARP_ROWS_PER_EXPERT
+from dsv4_jax.kernels.grouped_gemm_config import WARP_ROWS_PER_EXPERT
 
 PEAK_TBPS = 4.3
 PEAK_TFLOPS = 790.0

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi.sparse_attention import sparse_attention_cute, sparse_attention_reference
-from dsv4_jax.kernels.sparse_attention_sm90 import ABLATIONS, SparseAttentionSm90Config
+from dsv4_jax.kernels.sparse_attention_config import ABLATIONS, SparseAttentionSm90Config
 
 PEAK_TFLOPS = 790.0
 PEAK_TBPS = 4.3

@@ -138,7 +138,7 @@ def time_prefill(cfg, params, chunk, runs):
 
 
 # ----------------------------------------------------------------------------- profile
-KERNEL_GROUPS = (("MoE kernel", "MoeGemm"), ("sparse attention kernel", "SparseAttention"))
+KERNEL_GROUPS = (("MoE kernel", "GroupedGemm"), ("sparse attention kernel", "SparseAttention"))
 
 
 def profile_ops(run_once, top: int = 15):

@@ -1,7 +1,7 @@
 """Where the MoE kernel's time goes: the gated (w1/w3) launch alone at Flash dims, with
 benchmark-only ablations (no_dequant, no_mma) and stage/tile variants, next to a 1 GiB
 device copy for the achievable HBM bandwidth. Decode sizes also run the warp-level
-"mma_sync" kernel, all its ablations (``MoeGemmSm90Config.WARP_ABLATIONS``) and stage depths.
+"mma_sync" kernel, all its ablations (``GroupedGemmSm90Config.WARP_ABLATIONS``) and stage depths.
 
     source .device/setup.sh && python3 benchmarks/moe_kernel_ablation.py [TOKENS] [--warp-only]
 

@@ -93,7 +93,7 @@ def check_decode_exact(fmt, decode_tiles):
     A = 3 * K
     cfg = choose(E if decode_tiles else A, E, fmt, (K,))
     # "wgmma_fp8" folds a row's four FP4 scales of a K block into e4m3 codes: exact while
-    # they lie within 2^14 of each other (moe_sm90_fp8), so a narrower range there.
+    # they lie within 2^14 of each other (grouped_gemm_sm90_wgmma_fp8), so a narrower range there.
     lo, hi = (106, 121) if cfg.algorithm == "wgmma_fp8" and fmt == "fp4" else (90, 160)
     w, s = make_w(jax.random.key(1), E, N, K, fmt, lo, hi)
     ea = jnp.repeat(jnp.arange(3, dtype=jnp.int32), K)

@@ -4,7 +4,7 @@ quantisation, gathers, both launches, the sum into tokens), for each token count
 
     source .device/setup.sh && python3 benchmarks/profile_moe.py 1,8,64 [mma_sync|mma_fp8|wgmma]
 
-Or, for Nsight Compute, the gated launch alone (``ncu ... -k regex:MoeGemm``):
+Or, for Nsight Compute, the gated launch alone (``ncu ... -k regex:GroupedGemm``):
 
     python3 benchmarks/profile_moe.py 8 mma_sync --launch-only
 """

@@ -130,7 +130,7 @@ if [[ $what == moe_detail ]]; then
     --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section Occupancy \
     --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats \
-    -k regex:MoeGemm --launch-skip 2 --launch-count 1 -f -o "$OUT/moe_$tokens" \
+    -k regex:GroupedGemm --launch-skip 2 --launch-count 1 -f -o "$OUT/moe_$tokens" \
     python3 benchmarks/profile_moe.py "$tokens" "$alg" --launch-only \
     >"$OUT/ncu_run_moe.log" 2>&1 || tail -20 "$OUT/ncu_run_moe.log"
   ncu_report "moe_$tokens"

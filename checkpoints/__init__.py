@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from dsv4_jax.ffi.policy import KernelPolicy
 from dsv4_jax.models.transformer import DSV4
 from .hf import load_hf
 from .orbax_io import is_orbax_dir, load_orbax, save as _save
@@ -25,7 +26,7 @@ __all__ = ["load", "save", "CheckpointError"]
 
 
 def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=None,
-         progress=None, **config_overrides):
+         progress=None, implementation=None, **config_overrides):
     """``(model, params)`` from an official HF directory or a ``save`` (orbax) directory.
 
     HF directories (``config.json`` + ``*.safetensors`` + ``model.safetensors.index.json``)
@@ -48,6 +49,9 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
       dtype: ``"bfloat16"`` (checkpoint) or ``"float32"``: ``Config.dtype`` of the model;
         BF16 leaves become float32 (exact).
       progress: tqdm progress bar; ``None`` shows it when stderr is a terminal.
+      implementation: the returned model's ``implementation`` (see ``DSV4``); None takes
+        ``KernelPolicy.from_environment()`` -- ``DSV4_IMPLEMENTATION`` and the kernel
+        variables, the defaults when none is set.
       **config_overrides: ``Config`` fields to change (e.g. ``quant_simulation=False``);
         unknown or mistyped fields raise ``TypeError``.
 
@@ -57,6 +61,8 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
     (bad overrides) -- always before a model is returned.
     """
     path = os.fspath(path)
+    policy = (KernelPolicy.from_environment() if implementation is None
+              else KernelPolicy.coerce(implementation))
     if not os.path.exists(path):
         raise FileNotFoundError(f"load: {path!r} does not exist")
     if not os.path.isdir(path):
@@ -70,7 +76,7 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
     else:
         raise FileNotFoundError(f"load: {path!r} has neither config.json (HF checkpoint) nor "
                                 "dsv4_config.json (orbax checkpoint written by dsv4_jax.save)")
-    return DSV4(cfg, mesh=mesh), params
+    return DSV4(cfg, mesh=mesh, implementation=policy), params
 
 
 def save(path, params, config, *, overwrite: bool = False, progress=None) -> str:

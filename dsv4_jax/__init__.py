@@ -36,12 +36,15 @@ _EXPORTS = {
     "encode_chat": (".chat", "encode_chat"),
     "parse_completion": (".chat", "parse_completion"),
     "load": ("dsv4_jax.checkpoints", "load"),
+    "KernelPolicy": ("dsv4_jax.ffi.policy", "KernelPolicy"),
+    "GroupedGemmPolicy": ("dsv4_jax.ffi.policy", "GroupedGemmPolicy"),
     "save": ("dsv4_jax.checkpoints", "save"),
 }
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
            "param_count", "generate", "stream", "Greedy", "Temperature", "TopK", "TopP", "MinP",
-           "sampling", "introspect", "encode_chat", "parse_completion"]
+           "sampling", "introspect", "encode_chat", "parse_completion", "KernelPolicy",
+           "GroupedGemmPolicy"]
 
 
 def __getattr__(name):

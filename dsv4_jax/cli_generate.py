@@ -100,8 +100,9 @@ def load_model(path):
     from dsv4_jax.tokenizer import ByteTokenizer, load_tokenizer
     if path is None:
         cfg = dj.Config.tiny()
-        return dj.DSV4(cfg), dj.init_params(cfg, 0), ByteTokenizer(cfg.vocab_size)
-    model, params = dj.load(path)
+        model = dj.DSV4(cfg, implementation=dj.KernelPolicy.from_environment())
+        return model, dj.init_params(cfg, 0), ByteTokenizer(cfg.vocab_size)
+    model, params = dj.load(path)                  # the environment's KernelPolicy
     return model, params, load_tokenizer(path, model.config.vocab_size)
 
 

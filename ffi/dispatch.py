@@ -1,14 +1,12 @@
-"""Choosing between an op's CuTe kernel and its pure-JAX reference.
+"""Choosing between an op's CuTe kernel and its pure-JAX reference: the one helper every op's
+dispatch goes through.
 
 Every op takes ``implementation``: ``"cute"`` (the kernel; raises when it cannot run),
-``"xla"`` (the reference) or ``None`` (the kernel when this process targets CUDA, ``cutlass``
-loads and the kernel supports the shapes, else the reference). ``None`` lowers through
-``jax.lax.platform_dependent``, so one jitted function runs on CPU and GPU.
-
-``DSV4_IMPLEMENTATION`` overrides the choice for A/B debugging: ``xla`` forces the reference
-everywhere, even over an explicit ``"cute"``; ``cute`` turns ``None`` into ``"cute"``. A
-comma list ``op=impl`` (``sparse_attention=xla,...``) scopes it to single ops. The variable
-is read when a function is traced: already-jitted functions keep their choice.
+``"xla"`` (the reference) or ``None`` (the kernel when this process targets a Hopper GPU,
+``cutlass`` loads and the kernel supports the arguments, else the reference). ``None`` lowers
+through ``jax.lax.platform_dependent``, so one jitted function runs on CPU and GPU. The choice
+is a value passed in (``policy.KernelPolicy`` carries one per op for the model); nothing here
+reads the environment.
 """
 from __future__ import annotations
 
@@ -16,23 +14,24 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
-import os
-from typing import Literal
+import warnings
+from typing import Callable, Literal
 
 import jax
 
-from ._arch import pin_arch
+from ._arch import TARGET_ARCH, pin_arch
+from .registry import KERNEL, REFERENCE, check_implementation
 
-ENV_VAR = "DSV4_IMPLEMENTATION"
-IMPLEMENTATIONS = ("cute", "xla")
 Choice = Literal["cute", "xla", "auto"]
+# The kernels are compiled for sm_90a: compute capability 9.0 exactly (H100, H200).
+KERNEL_COMPUTE_CAPABILITY = "9.0"
 
 _assume_cuda = contextvars.ContextVar("dsv4_assume_cuda", default=False)
 
 
 @contextlib.contextmanager
 def cuda_target():
-    """Trace as if CUDA were the target although this process has no GPU.
+    """Trace as if a Hopper GPU were the target although this process has none.
 
     For CPU CI and ahead-of-time export: ``jax.jit(f).trace(...).lower(
     lowering_platforms=("cuda",))`` inside this context emits the kernels' custom calls.
@@ -45,16 +44,34 @@ def cuda_target():
 
 
 @functools.lru_cache(maxsize=None)
-def _process_has_cuda() -> bool:
+def _local_gpus() -> tuple[tuple[str, str], ...]:
+    """``(device kind, compute capability)`` of this process's CUDA devices."""
     try:
-        return len(jax.devices("cuda")) > 0
+        devices = jax.devices("cuda")
     except RuntimeError:
+        return ()
+    return tuple((d.device_kind, str(getattr(d, "compute_capability", ""))) for d in devices)
+
+
+@functools.lru_cache(maxsize=None)
+def _process_has_kernel_gpu() -> bool:
+    """Whether this process's GPUs run the sm_90a kernels; warns once when a CUDA GPU is
+    there but is not a Hopper part (the ops then run their references)."""
+    gpus = _local_gpus()
+    other = [kind for kind, cc in gpus if cc != KERNEL_COMPUTE_CAPABILITY]
+    if other:
+        warnings.warn(f"dsv4_jax: the CuTe kernels need compute capability "
+                      f"{KERNEL_COMPUTE_CAPABILITY} ({TARGET_ARCH}: H100/H200), this process "
+                      f"has {', '.join(sorted(set(other)))}; every op runs its pure-JAX "
+                      f"reference", RuntimeWarning, stacklevel=3)
         return False
+    return bool(gpus)
 
 
 def targets_cuda() -> bool:
-    """Whether traced code may lower for CUDA: a local GPU, or inside ``cuda_target()``."""
-    return _assume_cuda.get() or _process_has_cuda()
+    """Whether traced code may lower for the kernels' GPU: a local Hopper GPU, or inside
+    ``cuda_target()``."""
+    return _assume_cuda.get() or _process_has_kernel_gpu()
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,61 +87,45 @@ def cutlass_available() -> tuple[bool, str]:
     return True, ""
 
 
-def env_override(op_name: str) -> str | None:
-    """The ``DSV4_IMPLEMENTATION`` value that applies to ``op_name``, if any."""
-    raw = os.environ.get(ENV_VAR, "").strip()
-    if not raw or raw in ("auto", "none"):
-        return None
-    value = None
-    for item in raw.split(","):
-        item = item.strip()
-        name, sep, impl = item.partition("=")
-        if not sep:
-            value = item if value is None else value
-        elif name.strip() == op_name:
-            value = impl.strip()
-    if value is not None and value not in IMPLEMENTATIONS:
-        raise ValueError(f"{ENV_VAR}={raw!r}: the value for {op_name} must be one of "
-                         f"{IMPLEMENTATIONS} (or op=impl pairs)")
-    return value
+def select_implementation(op: str, implementation: str | None,
+                          supported: Callable[[], tuple[bool, str]]) -> Choice:
+    """Resolve ``implementation`` for one call of ``op``: ``"cute"``, ``"xla"`` or ``"auto"``
+    (emit the kernel for CUDA and the reference for other platforms).
 
-
-def select_implementation(op_name: str, implementation: str | None,
-                          supported: tuple[bool, str]) -> Choice:
-    """Resolve ``implementation`` for one call: ``"cute"``, ``"xla"`` or ``"auto"``.
-
-    ``supported`` is the kernel's ``(ok, reason)`` for these arguments. ``"auto"`` means: emit
-    the kernel for CUDA and the reference for other platforms.
-    """
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(f"{op_name}: implementation must be 'cute', 'xla' or None, "
-                         f"got {implementation!r}")
-    forced = env_override(op_name)
-    if forced == "xla":
-        return "xla"
-    if implementation is None and forced == "cute":
-        implementation = "cute"
-    if implementation == "xla":
-        return "xla"
-    ok, reason = supported
-    if implementation == "cute":
+    ``supported()`` is the kernel's ``(ok, reason)`` for these arguments; it is only asked
+    when the kernel could run."""
+    check_implementation(op, implementation)
+    if implementation == REFERENCE:
+        return REFERENCE
+    if implementation == KERNEL:
         available, why = cutlass_available()
         if not available:
-            raise RuntimeError(f"{op_name}(implementation='cute'): {why}")
+            raise RuntimeError(f"{op}(implementation='cute'): {why}")
+        ok, reason = supported()
         if not ok:
-            raise ValueError(f"{op_name}(implementation='cute') does not support {reason}; "
+            raise ValueError(f"{op}(implementation='cute') does not support {reason}; "
                              f"use implementation=None or 'xla'")
         if not targets_cuda():
             raise RuntimeError(
-                f"{op_name}(implementation='cute') needs a CUDA GPU and this process has "
-                f"none; use implementation=None (falls back to the reference), or trace "
-                f"inside dsv4_jax.ffi.dispatch.cuda_target() to lower for CUDA ahead of time")
-        return "cute"
-    if ok and targets_cuda() and cutlass_available()[0]:
+                f"{op}(implementation='cute') needs a CUDA GPU of compute capability "
+                f"{KERNEL_COMPUTE_CAPABILITY} and this process has none; use "
+                f"implementation=None (falls back to the reference), or trace inside "
+                f"dsv4_jax.ffi.dispatch.cuda_target() to lower for CUDA ahead of time")
+        return KERNEL
+    if targets_cuda() and cutlass_available()[0] and supported()[0]:
         return "auto"
-    return "xla"
+    return REFERENCE
 
 
-def cute_or_reference(cute_fn, reference_fn, *args):
-    """Run ``cute_fn`` when lowering for CUDA and ``reference_fn`` elsewhere."""
-    return jax.lax.platform_dependent(*args, cuda=cute_fn, default=reference_fn)
+def dispatch(op: str, implementation: str | None, supported: Callable[[], tuple[bool, str]],
+             reference: Callable, kernel: Callable, *operands):
+    """Run ``reference(*operands)`` or ``kernel(*operands)`` as ``implementation`` and the
+    kernel's support decide (``select_implementation``); with None both are lowered and
+    ``jax.lax.platform_dependent`` keeps the kernel for CUDA. Operands are arrays (or None),
+    positional: ``platform_dependent`` passes no keywords."""
+    choice = select_implementation(op, implementation, supported)
+    if choice == REFERENCE:
+        return reference(*operands)
+    if choice == KERNEL:
+        return kernel(*operands)
+    return jax.lax.platform_dependent(*operands, cuda=kernel, default=reference)

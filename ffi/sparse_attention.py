@@ -3,7 +3,7 @@
 Laid out as every op (docs/architecture.md §7): the public op ``sparse_attention`` with its
 ``implementation`` dispatch, the pure-JAX ``sparse_attention_reference``, the argument checks
 ``check_sparse_attention_args``, and the kernel path ``sparse_attention_cute`` whose launch
-configuration is a ``SparseAttentionSm90Config`` (``kernels/sparse_attention_sm90.py``).
+configuration is a ``SparseAttentionSm90Config`` (``kernels/sparse_attention_config.py``).
 
 Contract (docs/architecture.md §8)::
 
@@ -32,14 +32,14 @@ output is cast back to the input dtype.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kernels.sparse_attention_sm90 import (DEFAULT_CONFIG, SparseAttentionSm90Config,
-                                                    choose_num_splits)
-from .dispatch import cute_or_reference, select_implementation
+from dsv4_jax.kernels.sparse_attention_config import (DEFAULT_CONFIG,
+                                                      SparseAttentionSm90Config,
+                                                      choose_num_splits)
+from .dispatch import dispatch
+from .registry import OpSpec, register
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_cute",
            "check_sparse_attention_args", "SparseAttentionSm90Config"]
@@ -140,8 +140,8 @@ def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=Non
     return o.reshape(-1, *q.shape[1:])[:t], lse.reshape(-1, q.shape[1])[:t]
 
 
-def _kernel_support(config: SparseAttentionSm90Config, q, kv, idx, extra_kv, extra_idx,
-                    scale) -> tuple[bool, str]:
+def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
+             config: SparseAttentionSm90Config = DEFAULT_CONFIG, **_) -> tuple[bool, str]:
     """``config.is_supported`` for these arguments; imports no cutlass."""
     try:
         float(scale)
@@ -204,25 +204,24 @@ def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
     """Sparse MQA attention with sink; see the module docstring for the contract.
 
     ``implementation``: ``"cute"`` (the Hopper kernel; raises ``ValueError`` when it does not
-    support the arguments, e.g. head_dim != 512, and ``RuntimeError`` without a CUDA GPU),
-    ``"xla"`` (the pure-JAX reference) or ``None`` (the kernel when lowering for CUDA and it
-    supports the arguments, else the reference). ``DSV4_IMPLEMENTATION=xla`` forces the
-    reference (see ``dsv4_jax.ffi.dispatch``).
+    support the arguments, e.g. head_dim != 512, and ``RuntimeError`` without a Hopper GPU),
+    ``"xla"`` (the pure-JAX reference) or ``None`` (the kernel when lowering for a Hopper GPU
+    and it supports the arguments, else the reference).
     """
     check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx)
-    choice = select_implementation(
-        "sparse_attention", implementation,
-        _kernel_support(DEFAULT_CONFIG, q, kv, idx, extra_kv, extra_idx, scale))
-    reference = functools.partial(sparse_attention_reference, scale=scale)
-    if choice == "xla":
-        return reference(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx)
-    cute = functools.partial(sparse_attention_cute, scale=scale)
-    if choice == "cute":
-        return cute(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx)
-    # platform_dependent passes positional operands only.
-    if extra_kv is None:
-        return cute_or_reference(lambda *a: cute(*a), lambda *a: reference(*a), q, kv, idx, sink)
-    return cute_or_reference(
-        lambda a, b, c, e, f, g: cute(a, b, c, e, extra_kv=f, extra_idx=g),
-        lambda a, b, c, e, f, g: reference(a, b, c, e, extra_kv=f, extra_idx=g),
-        q, kv, idx, sink, extra_kv, extra_idx)
+
+    def reference(q, kv, idx, sink, extra_kv, extra_idx):
+        return sparse_attention_reference(q, kv, idx, sink, extra_kv=extra_kv,
+                                          extra_idx=extra_idx, scale=scale)
+
+    def kernel(q, kv, idx, sink, extra_kv, extra_idx):
+        return sparse_attention_cute(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
+                                     scale=scale)
+
+    return dispatch("sparse_attention", implementation,
+                    lambda: _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
+                                     scale=scale),
+                    reference, kernel, q, kv, idx, sink, extra_kv, extra_idx)
+
+
+register(OpSpec("sparse_attention", sparse_attention_reference, _support))

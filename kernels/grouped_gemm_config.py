@@ -1,32 +1,35 @@
-"""Limits, configurations and launch sizes of the MoE kernels; no cutlass.
+"""The grouped GEMM's kernels, their launch configurations and limits; no cutlass.
 
-Three algorithms compute the same grouped expert GEMM (same launcher, same outputs):
-``"wgmma"`` (``moe_sm90_kernel``: a cp.async producer warpgroup, weights dequantised into
-shared memory, WGMMA), ``"mma_sync"`` (``moe_sm90_warp``: every warp streams its own 16
-weight rows, dequantises them in registers and runs warp-level bf16 MMAs -- for decode
-tiles) and ``"mma_fp8"`` (``moe_sm90_warp_fp8``: as ``mma_sync`` on FP8 tensor cores, for
-FP4/FP8 weights with the FP8 activation simulation -- decode tiles). ``"wgmma_fp8"``
-(``moe_sm90_fp8``: "wgmma" on FP8 WGMMAs with the FP4 scales folded into e4m3 codes -- prefill
-tiles, FP4/FP8 weights, simulation on; opt-in, not yet run on a GPU).
+One op (``ffi/grouped_gemm.py``) multiplies row tiles, sorted by group, by their group's
+weight matrix; the routed experts (a group = an expert) and the dense linears (one group)
+run it. Four kernels compute it behind one launcher (``grouped_gemm_sm90_launch``), all with
+the same arguments and outputs; ``KERNELS`` is their table:
 
-The JAX side consults ``MoeGemmSm90Config.is_supported`` before it imports CuTe DSL at all.
+| algorithm | file | tiles | what it does |
+|---|---|---|---|
+| ``"wgmma"`` | ``grouped_gemm_sm90_wgmma`` | prefill (and decode on request) | cp.async producer warpgroup, weights dequantised into a shared-memory A tile, WGMMA |
+| ``"wgmma_fp8"`` | ``grouped_gemm_sm90_wgmma_fp8`` | prefill | "wgmma" on FP8 WGMMAs, FP4 scales folded into e4m3 codes |
+| ``"mma_sync"`` | ``grouped_gemm_sm90_mma_sync`` | decode (8 rows) | every warp streams 16 weight rows, converts them in registers, warp-level bf16 MMAs |
+| ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
+
+The FP8 kernels take the activations as e4m3 codes and per-(row, 128 columns) scales
+(``quant.act_quant``), so they need FP4/FP8 weights and the FP8 activation simulation.
+Measurements of each (and the crossovers ``choose_config`` uses): docs/performance.md.
+
+The JAX side consults ``GroupedGemmSm90Config.is_supported`` before it imports CuTe DSL.
 """
 from __future__ import annotations
 
 import dataclasses
 
-WEIGHT_FORMATS = ("fp4", "fp8", "bf16")
+WEIGHT_FORMATS = ("fp4", "fp8", "bf16")     # quant.WeightFormat names the kernels read
 BLOCK_M = 64             # weight rows per math warpgroup = WGMMA M
 BLOCK_K = 128            # K elements per pipeline stage
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
-ALGORITHMS = ("wgmma", "mma_sync", "mma_fp8", "wgmma_fp8")
-WARP_ALGORITHMS = ("mma_sync", "mma_fp8")
-PREFILL_ALGORITHMS = ("wgmma", "wgmma_fp8")
-# Algorithms that take e4m3 token codes + per-128 scales (quant.act_quant) instead of bf16.
-FP8_ACTIVATION_ALGORITHMS = ("mma_fp8", "wgmma_fp8")
+MAX_SPLIT_K = 16
 FP8_WGMMA_MAX_BLOCK_N = 64     # registers: 2 x 2 block accumulators + 2 accumulators
 # "mma_sync": 4 warps per CTA, 16 weight rows each (the MMA's M); lane 4g + t holds rows g
 # and g + 8 and, of every K block of 128, the 32 columns [32t, 32t + 32) (one FP4 scale
@@ -36,7 +39,7 @@ WARP_COUNT = BLOCK_M // WARP_ROWS
 WARP_TOKENS = 8           # token rows per tile (the MMA's N)
 # FP4 -> bf16 byte lookup tables for ``prmt`` (bytes 0-3 in the first word, 4-7 in the
 # second): high and low bytes of the bf16 values of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3,
-# 4, 6 (e.g. 1.5 = 0x3FC0). tests/test_kernels_moe_sm90.py replays the permutes on all codes.
+# 4, 6 (e.g. 1.5 = 0x3FC0). tests/test_kernels_grouped_gemm_sm90.py replays the permutes.
 FP4_BF16_HI = (0x3F3F3F00, 0x40404040)
 FP4_BF16_LO = (0xC0800000, 0xC0804000)
 # FP8 -> bf16: e4m3 bits << 4 are a bf16 with value x 2^-120; bf16 bits of 2^120.
@@ -44,62 +47,101 @@ BF16_2POW120 = 0x7B80
 
 
 @dataclasses.dataclass(frozen=True)
-class MoeGemmSm90Config:
-    """One compiled variant of the grouped expert GEMM.
+class KernelSpec:
+    """One kernel of the family: what it takes and which test hooks it offers.
 
-    block_n: token rows per tile (the WGMMA N; a multiple of 8, at most 128 gated / 256).
-    num_stages: depth of the cp.async pipeline of raw weight bytes + token rows.
+    module / class_name: where the CuTe DSL class lives (``kernels/<module>.py``).
+    tiles: ``"decode"`` (8-row tiles only) or ``"any"`` (block_n a multiple of 8).
+    fp8_activations: takes e4m3 token codes + f32 scales instead of bf16 rows.
+    weight_formats: the ``quant.WeightFormat`` names it reads.
+    max_block_n: the largest tile of token rows (gated launch) its registers allow.
+    split_k: offers the K split (grid z, f32 partial sums).
+    ablations: benchmark-only stages it can leave out (``GroupedGemmSm90Config.ablation``,
+      several joined by "+"); outputs are then wrong by design.
+    """
+    algorithm: str
+    module: str
+    class_name: str
+    tiles: str
+    fp8_activations: bool
+    weight_formats: tuple[str, ...]
+    max_block_n: int
+    split_k: bool
+    ablations: tuple[str, ...]
+
+
+KERNELS = {spec.algorithm: spec for spec in (
+    KernelSpec("wgmma", "grouped_gemm_sm90_wgmma", "GroupedGemmWgmmaSm90", "any", False,
+               WEIGHT_FORMATS, 128, False,
+               ("no_load", "no_token_load", "no_dequant", "no_mma")),
+    KernelSpec("mma_sync", "grouped_gemm_sm90_mma_sync", "GroupedGemmMmaSyncSm90", "decode",
+               False, WEIGHT_FORMATS, WARP_TOKENS, True,
+               ("no_load", "no_token_load", "no_scale_load", "no_dequant", "no_mma")),
+    KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
+               True, ("fp4", "fp8"), WARP_TOKENS, True, ()),
+    KernelSpec("wgmma_fp8", "grouped_gemm_sm90_wgmma_fp8", "GroupedGemmWgmmaFp8Sm90", "any",
+               True, ("fp4", "fp8"), FP8_WGMMA_MAX_BLOCK_N, False, ("no_dequant", "no_mma")),
+)}
+ALGORITHMS = tuple(KERNELS)
+WARP_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.tiles == "decode")
+PREFILL_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.tiles == "any")
+# Algorithms that take e4m3 token codes + per-128 scales (quant.act_quant) instead of bf16.
+FP8_ACTIVATION_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.fp8_activations)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmSm90Config:
+    """One compiled variant of the grouped GEMM (validated against its ``KernelSpec``).
+
+    block_n: token rows per tile (the MMA's N; a multiple of 8, at most 256).
+    num_stages: depth of the copy pipeline of raw weight bytes + token rows.
+    algorithm: the kernel (``KERNELS``).
+    split_k: K split over this many CTAs per tile (grid z), each writing f32 partial sums
+      ``[split_k, rows, mats * N]`` that the op adds (and gates) in XLA; kernels with
+      ``KernelSpec.split_k``.
+    ablation: benchmark-only stages left out, joined by "+" (the spec's ``ablations``);
+      the outputs are then wrong by design.
     """
     block_n: int = 8
     num_stages: int = 8
     algorithm: str = "wgmma"
-    # Warp algorithms: K split over this many CTAs per tile (grid z), each writing f32 partial
-    # sums [split_k, rows, mats * N] that the op adds (and gates) in XLA: at T = 1-2 a tile's
-    # K blocks one after another bound the launch, not the bytes.
     split_k: int = 1
-    # Benchmark-only variants that leave a stage out to see where the time goes ("no_load":
-    # weight bytes fetched only for the first stages, "no_dequant", "no_mma",
-    # "no_token_load": as no_load for the token rows; "mma_sync" also "no_scale_load");
-    # their outputs are wrong by design.
     ablation: str = ""
 
-    ABLATIONS = ("", "no_load", "no_dequant", "no_mma", "no_token_load")
-    WARP_ABLATIONS = ("", "no_load", "no_dequant", "no_mma", "no_token_load",
-                      "no_scale_load")
-
     def __post_init__(self):
-        if self.block_n % 8 or not 8 <= self.block_n <= 256:
-            raise ValueError(f"MoeGemmSm90Config: block_n must be a multiple of 8 in [8, 256], "
-                             f"got {self.block_n}")
-        if self.num_stages < 2:
-            raise ValueError(f"MoeGemmSm90Config: num_stages must be >= 2, got {self.num_stages}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"MoeGemmSm90Config: algorithm must be one of {ALGORITHMS}, "
+        if self.algorithm not in KERNELS:
+            raise ValueError(f"GroupedGemmSm90Config: algorithm must be one of {ALGORITHMS}, "
                              f"got {self.algorithm!r}")
-        if self.algorithm in WARP_ALGORITHMS and self.block_n != WARP_TOKENS:
-            raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes block_n "
-                             f"{WARP_TOKENS}, got {self.block_n}")
-        if self.split_k < 1 or (self.split_k > 1 and self.algorithm not in WARP_ALGORITHMS):
-            raise ValueError(f"MoeGemmSm90Config: split_k must be >= 1, and 1 unless the "
-                             f"algorithm is one of {WARP_ALGORITHMS}; got {self.split_k} with "
-                             f"{self.algorithm!r}")
-        if self.algorithm == "wgmma_fp8" and self.block_n > FP8_WGMMA_MAX_BLOCK_N:
-            raise ValueError(f"MoeGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
-                             f"{FP8_WGMMA_MAX_BLOCK_N}, got {self.block_n}")
-        allowed = {"mma_sync": self.WARP_ABLATIONS, "mma_fp8": ("",),
-                   "wgmma_fp8": ("", "no_dequant", "no_mma")}.get(self.algorithm,
-                                                                   self.ABLATIONS)
-        # "wgmma" also takes several joined by "+" (e.g. "no_dequant+no_mma": the loads
-        # and the pipeline alone).
-        parts = self.ablation.split("+") if self.algorithm == "wgmma" else [self.ablation]
-        if (any(p not in allowed for p in parts) or len(set(parts)) != len(parts)
-                or (len(parts) > 1 and "" in parts)):
-            joined = " (or several joined by +)" if self.algorithm == "wgmma" else ""
-            raise ValueError(f"MoeGemmSm90Config: algorithm {self.algorithm!r} takes ablation "
-                             f"in {allowed}{joined}, got {self.ablation!r}")
+        spec = KERNELS[self.algorithm]
+        if self.block_n % 8 or not 8 <= self.block_n <= 256:
+            raise ValueError(f"GroupedGemmSm90Config: block_n must be a multiple of 8 in "
+                             f"[8, 256], got {self.block_n}")
+        if spec.tiles == "decode" and self.block_n != WARP_TOKENS:
+            raise ValueError(f"GroupedGemmSm90Config: algorithm {self.algorithm!r} takes "
+                             f"block_n {WARP_TOKENS}, got {self.block_n}")
+        if self.algorithm == "wgmma_fp8" and self.block_n > spec.max_block_n:
+            raise ValueError(f"GroupedGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
+                             f"{spec.max_block_n}, got {self.block_n}")
+        if self.num_stages < 2:
+            raise ValueError(f"GroupedGemmSm90Config: num_stages must be >= 2, got "
+                             f"{self.num_stages}")
+        if not 1 <= self.split_k <= MAX_SPLIT_K or (self.split_k > 1 and not spec.split_k):
+            raise ValueError(f"GroupedGemmSm90Config: split_k must be in [1, {MAX_SPLIT_K}], "
+                             f"and 1 unless the algorithm is one of {WARP_ALGORITHMS}; got "
+                             f"{self.split_k} with {self.algorithm!r}")
+        parts = self.ablation.split("+")
+        if self.ablation and (any(p not in spec.ablations for p in parts)
+                              or len(set(parts)) != len(parts)):
+            raise ValueError(f"GroupedGemmSm90Config: algorithm {self.algorithm!r} takes "
+                             f"ablation in {('',) + spec.ablations} (or several joined by "
+                             f"+), got {self.ablation!r}")
+
+    @property
+    def spec(self) -> KernelSpec:
+        return KERNELS[self.algorithm]
 
     def leaves_out(self, stage: str) -> bool:
-        """Whether the ablation leaves ``stage`` (one of ``ABLATIONS``/``WARP_ABLATIONS``) out."""
+        """Whether the ablation leaves ``stage`` (one of the spec's ``ablations``) out."""
         return stage in self.ablation.split("+")
 
     def smem_bytes(self, weight_format: str, gated: bool) -> int:
@@ -108,7 +150,7 @@ class MoeGemmSm90Config:
             return warp_smem_bytes(weight_format, gated, self.num_stages)
         if self.algorithm == "mma_fp8":
             return fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
-        if self.algorithm == "wgmma_fp8":        # per stage, bytes (moe_sm90_fp8)
+        if self.algorithm == "wgmma_fp8":        # per stage, bytes (grouped_gemm_sm90_wgmma_fp8)
             stage = (mats * BLOCK_M * (ROW_BYTES[weight_format] + BLOCK_K + 4 + 8)
                      + self.block_n * (BLOCK_K + 4))
             return self.num_stages * stage + 3072
@@ -124,8 +166,9 @@ class MoeGemmSm90Config:
             return False, f"weight format {weight_format!r} (one of {WEIGHT_FORMATS})"
         if x_dtype != "bfloat16":
             return False, f"activation dtype {x_dtype} (the kernel is bf16 only)"
-        if self.algorithm in FP8_ACTIVATION_ALGORITHMS and weight_format == "bf16":
-            return False, f"weight format 'bf16' (algorithm {self.algorithm!r} takes fp4/fp8)"
+        if weight_format not in self.spec.weight_formats:
+            return False, (f"weight format {weight_format!r} (algorithm {self.algorithm!r} "
+                           f"takes {'/'.join(self.spec.weight_formats)})")
         if self.algorithm == "wgmma_fp8" and (k_in // BLOCK_K) % 2:
             return False, (f"input features {k_in} (algorithm 'wgmma_fp8' needs an even "
                            f"number of {BLOCK_K}-column blocks)")
@@ -146,19 +189,16 @@ class MoeGemmSm90Config:
         return True, ""
 
 
-DECODE_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
-PREFILL_CONFIG = MoeGemmSm90Config(block_n=128, num_stages=3)
+DECODE_CONFIG = GroupedGemmSm90Config(block_n=8, num_stages=4)   # ~110 KB: two CTAs per SM
+PREFILL_CONFIG = GroupedGemmSm90Config(block_n=128, num_stages=3)
 # WGMMA tiles of 64 rows between the warp kernels' range and PREFILL_CONFIG's.
-MID_CONFIG = MoeGemmSm90Config(block_n=64, num_stages=4)
-# Rows per expert (on average) up to which the warp kernels (8-row tiles) run, and up to
-# which MID_CONFIG does. Measured crossover, H200, Flash gated launch (E = 256, k = 6;
-# docs/performance.md, 2026-11-23): T = 512 (12 rows per expert) mma_fp8 1429 us vs WGMMA
-# 2374 (64-row tiles) / 3003 (128); T = 1024 (24) 64-row WGMMA 2422 vs mma_fp8 2548 vs
-# 128-row 3070; T = 4096 (96) 128-row 3294 vs 64-row 4894 (linear crossover ~45).
+MID_CONFIG = GroupedGemmSm90Config(block_n=64, num_stages=4)
+# Rows per group (on average) up to which the warp kernels (8-row tiles) run, and up to which
+# MID_CONFIG does: the measured crossovers (docs/performance.md, "Crossover").
 WARP_ROWS_PER_EXPERT = 16
 MID_ROWS_PER_EXPERT = 40
 # The warp-level decode kernels ("mma_sync", "mma_fp8"); 4 stages leave several CTAs per SM.
-DECODE_MMA_SYNC_CONFIG = MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
+DECODE_MMA_SYNC_CONFIG = GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
 
 def warp_weight_slots(weight_format: str, gated: bool) -> int:
@@ -252,18 +292,11 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
     return kb * ROW_BYTES[weight_format] + t * (ROW_BYTES[weight_format] // 4)
 
 
-# Decode tiles' algorithm unless told otherwise: "mma_fp8" (FP4/FP8 weights with the FP8
-# simulation; choose_config falls back to "mma_sync" for the rest). Both exact; on an H200 at
-# Flash dims "mma_fp8" took 286 vs 300 us (T = 8), 992 vs 1059 us (T = 64), 358 vs 623 us
-# (FP8 weights, T = 8), and "mma_sync" was 1.2-1.6x faster than "wgmma"
-# (docs/performance.md, 2026-11-23).
+# The algorithms a policy names by default: "mma_fp8" for decode tiles ("mma_sync" where it
+# does not apply: BF16 weights or no FP8 activation simulation), "wgmma" for prefill tiles
+# ("wgmma_fp8" is exact but slower at large T). Measured choices: docs/performance.md.
 DEFAULT_DECODE_ALGORITHM = "mma_fp8"
-
-
-# K split of the warp kernels for at most 2 tiles of rows (T = 1-2 tokens at k = 6) when
-# asked (the op: DSV4_MOE_SPLIT_K; 1 until measured on a GPU): Flash T = 1 has 192 gated
-# CTAs of 32 K blocks; 4 splits make 768 CTAs of 8.
-DEFAULT_SPLIT_K_FEW_ROWS = 1
+DEFAULT_PREFILL_ALGORITHM = "wgmma"
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
@@ -275,36 +308,33 @@ def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
     return (per + scale_group - 1) // scale_group * scale_group
 
 
-# Prefill tiles' algorithm unless told otherwise ("wgmma_fp8": opt-in until measured).
-DEFAULT_PREFILL_ALGORITHM = "wgmma"
-PREFILL_FP8_CONFIG = MoeGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_stages=6,
-                                       algorithm="wgmma_fp8")
+PREFILL_FP8_CONFIG = GroupedGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_stages=6,
+                                           algorithm="wgmma_fp8")
 
 
-def choose_config(num_rows: int, num_experts: int, weight_format: str,
+def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   decode_algorithm: str = DEFAULT_DECODE_ALGORITHM,
-                  fp8_activations: bool = True,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
-                  k_ins: tuple[int, ...] = (),
-                  few_rows_split_k: int = DEFAULT_SPLIT_K_FEW_ROWS) -> MoeGemmSm90Config:
-    """Decode tiles (8 rows) while the average expert holds at most
-    ``WARP_ROWS_PER_EXPERT`` rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``,
-    then 128). Decode tiles run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8
-    algorithms ("mma_fp8", "wgmma_fp8") need FP4/FP8 weights and FP8-quantised activations
-    (``fp8_activations``: the simulation is on), else they become "mma_sync" / "wgmma";
-    "wgmma_fp8" also an even number of K blocks in each of ``k_ins``, the input features of
-    the launches that will use the config.
+                  fp8_activations: bool = True, k_ins: tuple[int, ...] = (),
+                  split_k: int = 1) -> GroupedGemmSm90Config:
+    """The one config both launches of a call use (the op checks support with it too).
+
+    Decode tiles (8 rows) while the average group holds at most ``WARP_ROWS_PER_EXPERT``
+    rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``, then 128). Decode tiles
+    run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8 algorithms need
+    FP4/FP8 weights and FP8-quantised activations (``fp8_activations``: the simulation is
+    on), else they become "mma_sync" / "wgmma"; "wgmma_fp8" also an even number of K blocks
+    in each of ``k_ins``, the input features of the launches that will use the config.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
-    "mma_sync": 6 stages for at most 2 tiles of rows (T = 1-2: few CTAs, each must keep
-    more bytes in flight; 6 vs 4 stages: 39.8 vs 45.0 us for the Flash T = 1 gated launch
-    on an H200) and K split ``few_rows_split_k`` ways, else 4 stages; fewer while two CTAs
-    would not fit in an SM."""
+    Warp kernels: 6 stages for at most 2 tiles of rows (few CTAs, each must keep more bytes
+    in flight) and K split ``split_k`` ways, else 4 stages; fewer while two CTAs would not
+    fit in an SM."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
             raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
-    decode = num_rows <= WARP_ROWS_PER_EXPERT * num_experts
+    decode = num_rows <= WARP_ROWS_PER_EXPERT * num_groups
     fp8_ok = weight_format != "bf16" and fp8_activations
     if decode_algorithm == "mma_fp8" and not fp8_ok:
         decode_algorithm = "mma_sync"
@@ -314,7 +344,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
-            config = dataclasses.replace(config, num_stages=6, split_k=few_rows_split_k)
+            config = dataclasses.replace(config, num_stages=6, split_k=split_k)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
@@ -327,7 +357,7 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     elif decode:
         config = DECODE_CONFIG
     else:
-        config = MID_CONFIG if num_rows <= MID_ROWS_PER_EXPERT * num_experts else PREFILL_CONFIG
+        config = MID_CONFIG if num_rows <= MID_ROWS_PER_EXPERT * num_groups else PREFILL_CONFIG
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:
@@ -335,6 +365,6 @@ def choose_config(num_rows: int, num_experts: int, weight_format: str,
     return config
 
 
-def num_tile_slots(num_rows: int, num_experts: int, block_n: int) -> int:
-    """Static worst case of row tiles: every expert may leave one partial tile."""
-    return -(-num_rows // block_n) + min(num_experts, num_rows)
+def num_tile_slots(num_rows: int, num_groups: int, block_n: int) -> int:
+    """Static worst case of row tiles: every group may leave one partial tile."""
+    return -(-num_rows // block_n) + min(num_groups, num_rows)

@@ -1,7 +1,7 @@
 """Device helpers shared by the MoE kernels (sm_90a, CuTe DSL).
 
 FP4 e2m1 and FP8 e4m3 codes become exact bf16 values times an E8M0 block scale in a few
-integer instructions (``tests/test_kernels_moe_sm90.py`` replays both on every code);
+integer instructions (``tests/test_kernels_grouped_gemm_sm90.py`` replays both on every code);
 ``fp4x8_to_e4m3x8`` makes FP4 codes FP8 tensor-core operands (``fp4x8_to_e4m3x8_table``
 with ``e4m3_fold_table``: with a power-of-two factor folded in); ``mma_m16n8k16_bf16`` and
 ``mma_m16n8k32_e4m3`` are the warp-level tensor-core MMAs with their PTX fragment layouts;
@@ -15,7 +15,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .moe_sm90 import BF16_2POW120, FP4_BF16_HI, FP4_BF16_LO
+from .grouped_gemm_config import BF16_2POW120, FP4_BF16_HI, FP4_BF16_LO
 
 LOG2_E = 1.4426950408889634
 

@@ -1,6 +1,6 @@
 """Grouped expert GEMM for decode tiles on FP8 tensor cores: ``algorithm="mma_fp8"`` (sm_90a).
 
-Same launcher, tiles, copies pipeline and epilogue as ``moe_sm90_warp`` ("mma_sync"), for FP4
+Same launcher, tiles, copies pipeline and epilogue as ``grouped_gemm_sm90_mma_sync`` ("mma_sync"), for FP4
 and FP8 expert weights with the FP8 activation simulation on (the official numerics): the
 activations arrive already quantised -- e4m3 codes ``x`` [rows, K] (uint8) and f32 scales
 ``x_scale`` [rows, K / 128], one per token and K block of 128 (``quant.act_quant``) -- and
@@ -20,7 +20,7 @@ conversion:
 Dataflow per K block (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token
 rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sync"):
 weights by lane 4g + t (16-byte units t (FP4) or 2t, 2t + 1 (FP8) of rows g, g + 8 of each
-matrix) into row-major, swizzled rows of its warp's stage (``moe_sm90.fp8_warp_unit``);
+matrix) into row-major, swizzled rows of its warp's stage (``grouped_gemm_config.fp8_warp_unit``);
 token codes by threads 0-63 (one 16-byte unit each) and token scales by threads 64-71 into
 the CTA's stage; weight scales every ``scale_group`` K blocks into the warp's buffers.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
@@ -39,23 +39,23 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .moe_sm90 import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
-                       WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, MoeGemmSm90Config,
+from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
+                       WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, GroupedGemmSm90Config,
                        fp8_warp_smem_bytes, fp8_warp_unit)
-from .moe_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
+from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
                                mma_m16n8k32_e4m3)
-from .moe_sm90_warp import STEPS, MoeGemmWarpSm90, _load_word
+from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
 
 FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
 
 
-class MoeGemmWarpFp8Sm90(MoeGemmWarpSm90):
+class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: MoeGemmSm90Config, scale_group: int):
+                 config: GroupedGemmSm90Config, scale_group: int):
         if weight_format not in ("fp4", "fp8") or config.ablation:
-            raise ValueError(f"MoeGemmWarpFp8Sm90: FP4/FP8 weights without ablations, got "
+            raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights without ablations, got "
                              f"{weight_format!r}, {config}")
         super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
         # Shared memory: [token ring][weight ring: stage-major, then warp][scale buffers].

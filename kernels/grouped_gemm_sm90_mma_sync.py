@@ -1,6 +1,6 @@
 """Grouped expert GEMM for decode tiles, warp by warp: ``algorithm="mma_sync"`` (sm_90a).
 
-Computes exactly what ``moe_sm90_kernel.MoeGemmSm90`` computes (same launcher arguments,
+Computes exactly what ``grouped_gemm_sm90_wgmma.GroupedGemmWgmmaSm90`` computes (same launcher arguments,
 same outputs, same rounding points) for tiles of at most 8 token rows:
 
     out[r, n] = sum_k W_e[n, k] * x[r, k]     (gated: bf16(rw[r] * swiglu(x.w1, x.w3)))
@@ -22,7 +22,7 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
      the bytes of columns [32t, 32t + 32) -- one FP4 scale block -- into its own slots;
    - tokens: the CTA's 128 threads copy the tile's 8 token rows x 128 columns once, one
      16-byte unit each, into a stage shared by the warps, XOR-swizzled
-     (``moe_sm90.warp_token_unit``; rows past the tile's count read the tile's first row,
+     (``grouped_gemm_config.warp_token_unit``; rows past the tile's count read the tile's first row,
      never stored);
    - scales: every ``warp_scale_group`` K blocks, lane q of a warp copies the FP4 scale bytes
      of its row q (16 rows per matrix) for those K blocks into the warp's scale buffers
@@ -33,12 +33,12 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
    steps the lane converts 8 codes per row to bf16 (FP4 by byte-permute lookup, FP8 by the
    shift trick, both exact, times the E8M0 scale) and issues 2 ``mma.sync.m16n8k16`` per
    matrix with f32 accumulators. The K order inside the block is permuted identically for
-   weights and tokens (``moe_sm90.warp_lane_columns``), so the product is unchanged.
+   weights and tokens (``grouped_gemm_config.warp_lane_columns``), so the product is unchanged.
 3. Epilogue from the accumulator fragments: rows g, g + 8 (output features), tokens
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
 
 K split (``config.split_k`` > 1, grid z; the op takes it for at most two tiles of rows):
-CTA z runs K blocks [z p, z p + p) (``moe_sm90.split_k_blocks``: whole scale groups) and
+CTA z runs K blocks [z p, z p + p) (``grouped_gemm_config.split_k_blocks``: whole scale groups) and
 writes its raw f32 sums ``out[z, row, mat * N + n]``; the op adds the splits and applies
 the SwiGLU in XLA.
 
@@ -54,30 +54,30 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .moe_sm90 import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
+from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
-                       MoeGemmSm90Config, split_k_blocks, warp_lane_columns,
+                       GroupedGemmSm90Config, split_k_blocks, warp_lane_columns,
                        warp_lane_weight_byte,
                        warp_scale_buffers, warp_smem_bytes,
                        warp_token_unit, warp_weight_slots)
-from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
+from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
 
 NUM_THREADS = 32 * WARP_COUNT
 STEPS = 4                     # MMA steps (K = 32 each: 8 columns per lane) per K block
 
 
-class MoeGemmWarpSm90:
+class GroupedGemmMmaSyncSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: MoeGemmSm90Config, scale_group: int):
+                 config: GroupedGemmSm90Config, scale_group: int):
         self.weight_format = weight_format
         self.gated = gated
         self.mats = 2 if gated else 1
         self.swiglu_limit = float(swiglu_limit)
         self.num_stages = config.num_stages
-        self.ablation = config.ablation
+        self.leaves_out = config.leaves_out
         self.split_k = config.split_k
         self.row_bytes = ROW_BYTES[weight_format]
         self.lane_bytes = self.row_bytes // 4          # per row and K block, per lane
@@ -98,10 +98,12 @@ class MoeGemmWarpSm90:
 
     # ------------------------------------------------------------------ host
     @cute.jit
-    def __call__(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
-                 mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
-                 mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor, mXs: cute.Tensor,
+    def __call__(self, mX: cute.Tensor, mXs: cute.Tensor, mTileExpert: cute.Tensor,
+                 mTileRow0: cute.Tensor, mTileRows: cute.Tensor, mWa: cute.Tensor,
+                 mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor,
                  mOut: cute.Tensor, stream: cuda.CUstream):
+        """The family's one signature (``grouped_gemm_sm90_launch``); ``mXs`` holds the
+        token scales of "mma_fp8" and is unread here."""
         total = self.smem_bytes
 
         @cute.struct
@@ -189,9 +191,9 @@ class MoeGemmWarpSm90:
         # Ablations: a kind of copy only for the first stages (the ring then holds stale
         # bytes that are still converted and multiplied).
         first_stages = kb < self.num_stages
-        load = first_stages if const_expr(self.ablation == "no_load") else True
-        load_scales = first_stages if const_expr(self.ablation == "no_scale_load") else True
-        load_tokens = first_stages if const_expr(self.ablation == "no_token_load") else True
+        load = first_stages if const_expr(self.leaves_out("no_load")) else True
+        load_scales = first_stages if const_expr(self.leaves_out("no_scale_load")) else True
+        load_tokens = first_stages if const_expr(self.leaves_out("no_token_load")) else True
         if load:
             self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in,
                                lane)
@@ -296,7 +298,7 @@ class MoeGemmWarpSm90:
                          pairs[1][2 * h + 1])
                     c = tuple(acc[4 * mat + j] for j in range(4))
                     b = (x[2 * h], x[2 * h + 1])
-                    if const_expr(self.ablation == "no_mma"):
+                    if const_expr(self.leaves_out("no_mma")):
                         # Keeps the operands live at one integer op + one convert per value.
                         d = [c[j] + (a[j] ^ b[j % 2]).to(Float32) for j in range(4)]
                     else:
@@ -305,11 +307,11 @@ class MoeGemmWarpSm90:
                         acc[4 * mat + j] = d[j]
 
     def finish(self, acc: cute.Tensor):
-        """Hook before the epilogue (``moe_sm90_warp_fp8`` rescales there)."""
+        """Hook before the epilogue (``grouped_gemm_sm90_mma_fp8`` rescales there)."""
 
     def codes_to_bf16(self, row_words, mults, q, step):
         """The 8 codes of MMA step ``step`` (one row) as four bf16 pairs, in column order."""
-        if const_expr(self.ablation == "no_dequant"):
+        if const_expr(self.leaves_out("no_dequant")):
             return [row_words[(step * len(row_words) // STEPS + j) % len(row_words)]
                     for j in range(4)]
         if const_expr(self.weight_format == "fp4"):

@@ -36,7 +36,7 @@ decode launches (removing it halves their time; removing the loads changes nothi
 
 Constraints: sm_90a; x bf16 [A, K]; K a multiple of 128; output features a multiple of 64;
 FP8 needs (K / 128) % 4 == 0 (4-byte scale copies); tile row starts and counts from
-``moe_sm90`` (rows of one tile belong to one expert, counts <= block_n).
+``grouped_gemm_config`` (rows of one tile belong to one expert, counts <= block_n).
 """
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import cp_async_arrive
-from .moe_sm90 import BLOCK_K, BLOCK_M, ROW_BYTES, MoeGemmSm90Config
-from .moe_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
+from .grouped_gemm_config import BLOCK_K, BLOCK_M, KERNELS, ROW_BYTES, GroupedGemmSm90Config
+from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output)
 
 NUM_THREADS = 256             # producer warpgroup + one math warpgroup
@@ -58,11 +58,13 @@ DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
 REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
 
 
-class MoeGemmSm90:
+class GroupedGemmWgmmaSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: MoeGemmSm90Config):
+                 config: GroupedGemmSm90Config, scale_group: int = 1):
+        # scale_group: the warp kernels' scale-copy group (the family's one constructor
+        # signature); the WGMMA kernels copy one scale word per row and K block.
         self.weight_format = weight_format
         self.gated = gated
         self.mats = 2 if gated else 1
@@ -70,7 +72,7 @@ class MoeGemmSm90:
         self.block_n = config.block_n
         self.num_stages = config.num_stages
         self.leave_out = {stage: config.leaves_out(stage)
-                          for stage in ("no_load", "no_token_load", "no_dequant", "no_mma")}
+                          for stage in KERNELS["wgmma"].ablations}
         self.row_bytes = ROW_BYTES[weight_format]
         self.dtype = cutlass.BFloat16          # the WGMMA operands in shared memory
         self.out_dtype = cutlass.BFloat16
@@ -82,7 +84,8 @@ class MoeGemmSm90:
                  mTileRow0: cute.Tensor, mTileRows: cute.Tensor, mWa: cute.Tensor,
                  mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, mRw: cute.Tensor,
                  mOut: cute.Tensor, stream: cuda.CUstream):
-        """``mXs``: the token scales of "wgmma_fp8" (``moe_sm90_fp8``), unread here."""
+        """The family's one signature (``grouped_gemm_sm90_launch``); ``mXs`` holds the
+        token scales of "wgmma_fp8" (``grouped_gemm_sm90_wgmma_fp8``) and is unread here."""
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             (1, 1, 1), (BLOCK_M, self.block_n))

@@ -1,6 +1,6 @@
 """Grouped expert GEMM for prefill tiles on FP8 tensor cores: ``algorithm="wgmma_fp8"`` (sm_90a).
 
-Same launcher, schedule, tiles and epilogue as ``moe_sm90_kernel`` ("wgmma"), for FP4 and
+Same launcher, schedule, tiles and epilogue as ``grouped_gemm_sm90_wgmma`` ("wgmma"), for FP4 and
 FP8 expert weights with the FP8 activation simulation on (the official numerics): the token
 rows arrive quantised -- e4m3 codes ``x`` [rows, K] (uint8) and f32 power-of-two scales
 ``x_scale`` [rows, K / 128] (``quant.act_quant``) -- and the WGMMAs run on e4m3 operands
@@ -44,23 +44,23 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from .moe_sm90 import BLOCK_K, BLOCK_M, MoeGemmSm90Config
-from .moe_sm90_convert import (copy_bytes, e4m3_fold_table, e8m0_f32, fence_f32,
+from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
+from .grouped_gemm_sm90_convert import (copy_bytes, e4m3_fold_table, e8m0_f32, fence_f32,
                                fp4x8_to_e4m3x8_table)
-from .moe_sm90_kernel import MoeGemmSm90
+from .grouped_gemm_sm90_wgmma import GroupedGemmWgmmaSm90
 
 FP4_FOLD_BIAS = 127 + 6       # e8m0_f32(s_i - s_max + FP4_FOLD_BIAS) = 2^(s_i - s_max + 6)
 CHUNK = 16                    # bytes = e4m3 codes per vector store / token copy
 
 
-class MoeGemmFp8Sm90(MoeGemmSm90):
+class GroupedGemmWgmmaFp8Sm90(GroupedGemmWgmmaSm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: MoeGemmSm90Config):
+                 config: GroupedGemmSm90Config, scale_group: int = 1):
         if weight_format not in ("fp4", "fp8"):
-            raise ValueError(f"MoeGemmFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
-        super().__init__(weight_format, gated, swiglu_limit, config)
+            raise ValueError(f"GroupedGemmWgmmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
         self.dtype = cutlass.Float8E4M3FN
         self.a_buffers = self.num_stages * self.mats     # converted with the stage's copies
 

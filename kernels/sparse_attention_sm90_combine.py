@@ -1,4 +1,4 @@
-"""The split-combine kernel of ``sparse_attention_sm90`` (flash-decoding merge), a mixin of
+"""The split-combine kernel of ``sparse_attention_config`` (flash-decoding merge), a mixin of
 ``SparseAttentionSm90``: it reads ``self.num_splits`` and ``self.num_heads``."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .sparse_attention_sm90 import HEAD_DIM
+from .sparse_attention_config import HEAD_DIM
 
 
 class SplitCombine:

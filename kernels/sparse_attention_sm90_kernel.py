@@ -39,7 +39,7 @@ Constraints:
 * num_heads a multiple of 64 (64 heads per CTA; H=128 runs two CTAs per token, which read the
   same entries, the second mostly from L2).
 * K >= 1 window slots; K2 >= 0 extra slots; pools of at least one row each; int32 indices.
-* (block_n, num_stages, qk_split) in ``sparse_attention_sm90.CONFIGS``: the stages, Q and
+* (block_n, num_stages, qk_split) in ``sparse_attention_config.CONFIGS``: the stages, Q and
   (split) the 2 x 64 x block_n fp32 score exchange fit in 227 KB of smem; split QK^T needs
   head_dim / 16 even.
 * Any number of tokens T <= 65535; the entry list is processed in blocks (tail masked).
@@ -56,7 +56,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import cp_async_arrive
 from .sparse_attention_sm90_combine import SplitCombine
-from .sparse_attention_sm90 import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
+from .sparse_attention_config import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
                                     SparseAttentionSm90Config)
 
 NUM_THREADS = 384               # producer warpgroup + two math warpgroups

@@ -27,10 +27,11 @@ from flax import struct
 from dsv4_jax.config import Config
 from dsv4_jax.cache import LayerCache
 from dsv4_jax.ffi import sparse_attention
+from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax import quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
-from .layers import (Linear, RMSNorm, act_dtype, dequant_weight, fp8_codes_init,
+from .layers import (Linear, RMSNorm, act_dtype, fp8_codes_init,
                      head_rms_norm, normal_init, pow2_scale_init, rope_inv_freq, rope_tail,
                      FP8_CODE_STD)
 from .parallel import batch_parallel
@@ -130,7 +131,7 @@ class GroupedOutput(nn.Module):
                            (-(-shape[0] // 128), -(-shape[1] // 128)))
         else:
             w, s = self.param("weight", normal_init(std), shape, act_dtype(cfg)), None
-        w = dequant_weight(w, s, o.dtype).reshape(g, cfg.o_lora_rank, in_f)
+        w = quant.dequant_weight(w, s, o.dtype).reshape(g, cfg.o_lora_rank, in_f)
         return jnp.einsum("bsgd,grd->bsgr", o, w, preferred_element_type=jnp.float32
                           ).astype(o.dtype)
 
@@ -138,7 +139,7 @@ class GroupedOutput(nn.Module):
 class Attention(nn.Module):
     cfg: Config
     layer_id: int
-    implementation: str | None = None
+    policy: KernelPolicy = DEFAULT_POLICY       # the ops' implementations and kernel configs
     mesh: object = None
 
     @nn.compact
@@ -183,8 +184,9 @@ class Attention(nn.Module):
                 sel = all_entry_indices(positions, ratio, table.shape[1])
 
         sink = self.param("attn_sink", normal_init(0.5), (h,), jnp.float32)
-        attend = functools.partial(attend_rows, scale=cfg.softmax_scale,
-                                   implementation=self.implementation)
+        attend = functools.partial(
+            attend_rows, scale=cfg.softmax_scale,
+            implementation=self.policy.implementation_for("sparse_attention"))
         if self.mesh is None:
             o = attend(q, pool, win_idx, table, sel, sink)
         else:       # data parallel: every device attends its own rows with local indices

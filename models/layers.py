@@ -116,15 +116,6 @@ def quantized_matmul(x: jax.Array, w_f32: jax.Array, simulate: bool) -> jax.Arra
                       precision=HIGHEST).astype(x.dtype)
 
 
-def dequant_weight(weight: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
-    """Plain-dtype copy of a weight in any storage format (used for wo_a, as the reference)."""
-    if scale is None:
-        return weight.astype(dtype)
-    if weight.dtype in (jnp.int8, jnp.uint8):
-        return quant.dequant_fp4_weight(weight, scale).astype(dtype)
-    return quant.dequant_fp8_weight(weight, scale).astype(dtype)
-
-
 class RMSNorm(nn.Module):
     """``w * x / sqrt(mean(x^2) + eps)`` in f32, cast back to x's dtype (weight kept BF16)."""
     dim: int

@@ -22,6 +22,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
+from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .parallel import expert_parallel
 from .layers import (Linear, act_dtype, fp4_packed_init, fp8_codes_init, matmul_f32,
                      normal_init, pow2_scale_init, FP4_CODE_STD, FP8_CODE_STD)
@@ -34,28 +35,34 @@ def moe_op_kwargs(cfg: Config) -> dict:
 
 
 def expert_rows(xa: jax.Array, ea: jax.Array, wa: jax.Array, params: dict,
-                cfg: Config, implementation: str | None = None) -> jax.Array:
+                cfg: Config, policy=DEFAULT_POLICY) -> jax.Array:
     """``w2(wa * swiglu(w1 xa, w3 xa))`` per assignment row (``ffi.moe_expert_rows``): rows
     ``[A, d]``, expert ids ``[A]`` into the stacked weights of ``params`` (ids outside
-    ``[0, E)`` inside jit are dropped), weights ``[A]`` -> ``[A, d]`` in xa's dtype."""
+    ``[0, E)`` inside jit are dropped), weights ``[A]`` -> ``[A, d]`` in xa's dtype.
+    ``policy``: a ``KernelPolicy`` or what ``KernelPolicy.coerce`` takes."""
+    policy = KernelPolicy.coerce(policy)
     return moe_expert_rows(xa, ea, wa, params["w1"], params["w3"], params["w2"],
-                           **moe_op_kwargs(cfg), implementation=implementation)
+                           **moe_op_kwargs(cfg),
+                           implementation=policy.implementation_for("moe_expert_rows"),
+                           policy=policy.grouped_gemm)
 
 
 def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, params: dict,
-                   cfg: Config, mesh=None, implementation: str | None = None) -> jax.Array:
+                   cfg: Config, mesh=None, policy=DEFAULT_POLICY) -> jax.Array:
     """Sum over each token's experts of ``w2(weight * swiglu(w1 x, w3 x))``: f32 ``[T, d]``.
 
     ``params`` maps ``w1``/``w2``/``w3`` to ``(weight, scale or None)`` stacked over experts.
     With a ``mesh`` the experts are split over its ``expert`` axis (expert parallelism) and
-    each device runs ``moe_expert_rows`` on the rows it received. ``implementation`` is the
-    op's (``"cute"``, ``"xla"`` or None).
+    each device runs ``moe_expert_rows`` on the rows it received. ``policy``: a
+    ``KernelPolicy`` (or ``"cute"``, ``"xla"``, None) choosing the ops' implementations.
     """
+    policy = KernelPolicy.coerce(policy)
     if mesh is not None:
         return expert_parallel(x, route_w, route_idx, params, cfg.n_routed_experts, mesh,
-                               lambda r, e, w, p: expert_rows(r, e, w, p, cfg, implementation))
+                               lambda r, e, w, p: expert_rows(r, e, w, p, cfg, policy))
     return moe_experts(x, route_idx, route_w, params["w1"], params["w3"], params["w2"],
-                       **moe_op_kwargs(cfg), implementation=implementation)
+                       **moe_op_kwargs(cfg), implementation=policy.implementation_for(
+                           "moe_experts"), policy=policy.grouped_gemm)
 
 
 class StackedWeight(nn.Module):
@@ -148,7 +155,7 @@ class MoE(nn.Module):
     cfg: Config
     layer_id: int
     mesh: object = None
-    implementation: str | None = None  # the routed-expert op's (None: the kernel where it runs)
+    policy: KernelPolicy = DEFAULT_POLICY       # the ops' implementations and kernel configs
 
     @nn.compact
     def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
@@ -159,6 +166,6 @@ class MoE(nn.Module):
         weights, idx = Gate(cfg, self.layer_id < cfg.n_hash_layers, name="gate")(
             xf, token_ids.reshape(-1))
         params = Experts(cfg, name="experts")()
-        y = routed_experts(xf, weights, idx, params, cfg, self.mesh, self.implementation)
+        y = routed_experts(xf, weights, idx, params, cfg, self.mesh, self.policy)
         y = y + Expert(cfg, name="shared_experts")(xf).astype(jnp.float32)
         return y.astype(x.dtype).reshape(b, s, d)

@@ -15,6 +15,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax.cache import Cache, LayerCache
+from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax.mesh_rules import check_batch
 from .attention import Attention, commit_layer
 from . import parallel
@@ -58,7 +59,7 @@ class Block(nn.Module):
     """One transformer block: [mHC-pre -> norm -> attention -> mHC-post] then the same for MoE."""
     cfg: Config
     layer_id: int
-    implementation: str | None = None
+    policy: KernelPolicy = DEFAULT_POLICY
     mesh: object = None
 
     def _hc(self, prefix: str):
@@ -80,12 +81,12 @@ class Block(nn.Module):
     def block(self, x, token_ids, lcache: LayerCache, lengths, num_new):
         cfg = self.cfg
         y, post, comb = self._mhc_pre(x, "attn")
-        a, lcache, pending = Attention(cfg, self.layer_id, self.implementation, self.mesh,
+        a, lcache, pending = Attention(cfg, self.layer_id, self.policy, self.mesh,
                                        name="attn")(
             RMSNorm(cfg.dim, cfg.norm_eps, name="attn_norm")(y), lcache, lengths, num_new)
         x = hc_post(a, x, post, comb)
         y, post, comb = self._mhc_pre(x, "ffn")
-        f = MoE(cfg, self.layer_id, self.mesh, self.implementation, name="ffn")(
+        f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(
             RMSNorm(cfg.dim, cfg.norm_eps, name="ffn_norm")(y), token_ids)
         return hc_post(f, x, post, comb), lcache, pending
 
@@ -123,22 +124,35 @@ class MTPBlock(Block):
 class DSV4(nn.Module):
     """DeepSeek-V4 as a Flax Linen module (see the module docstring for the call contract).
 
-    ``implementation`` is passed to ``dsv4_jax.ffi`` ops (None: CuTe kernels where they run).
+    ``implementation`` chooses the ``dsv4_jax.ffi`` ops' implementations and kernel
+    configurations: None (the CuTe kernels where they run), ``"xla"`` / ``"cute"`` for every
+    op, a mapping ``{op name: implementation}``, or a ``dsv4_jax.KernelPolicy`` (which also
+    carries the kernels' policies). It is a value: the environment is not read here (the
+    command line and ``dsv4_jax.load`` build it with ``KernelPolicy.from_environment``).
     ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "expert") to run data-parallel
     attention and expert-parallel MoE (see ``dsv4_jax.sharding``); None runs on one device.
     ``runtime_checks``: validate token ids and cache capacity when they are traced (a host
     callback that raises); concrete inputs are always validated with a ``ValueError``.
     """
     config: Config
-    implementation: str | None = None
+    implementation: str | KernelPolicy | None = None
     runtime_checks: bool = True
     mesh: object = None
+
+    def __post_init__(self):
+        # Validate the implementation on construction (a misspelt op name fails here, not
+        # when a step is traced); a mapping becomes a hashable KernelPolicy.
+        policy = KernelPolicy.coerce(self.implementation)
+        if not (self.implementation is None or isinstance(self.implementation, str)):
+            object.__setattr__(self, "implementation", policy)
+        super().__post_init__()
 
     def setup(self):
         cfg, mesh = self.config, self.mesh
         self.embed = Embedding(cfg, mesh)
-        self.layers = [Block(cfg, i, self.implementation, mesh) for i in range(cfg.n_layers)]
-        self.mtp = [MTPBlock(cfg, cfg.n_layers + i, self.implementation, mesh)
+        policy = KernelPolicy.coerce(self.implementation)
+        self.layers = [Block(cfg, i, policy, mesh) for i in range(cfg.n_layers)]
+        self.mtp = [MTPBlock(cfg, cfg.n_layers + i, policy, mesh)
                     for i in range(cfg.n_mtp_layers)]
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.head = LMHead(cfg, mesh)

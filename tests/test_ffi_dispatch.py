@@ -1,11 +1,14 @@
-"""ffi/ infrastructure on CPU: implementation dispatch, the env override, the kernel disk cache."""
+"""ffi/ infrastructure on CPU: the op registry, implementation dispatch, the kernel policy as
+a value (and the environment variables parsed into it), the kernel disk cache."""
 import numpy as np
 import pytest
 
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.ffi import dispatch, sparse_attention, sparse_attention_reference
+import dsv4_jax as dj
+from dsv4_jax.ffi import (GroupedGemmPolicy, KernelPolicy, dispatch, op_names, op_spec,
+                          sparse_attention, sparse_attention_reference)
 
 SCALE = 512 ** -0.5
 S = jax.ShapeDtypeStruct
@@ -55,29 +58,97 @@ def test_unsupported_shapes_fall_back_to_the_reference_for_cuda():
                                               *shapes)
 
 
+def test_every_op_is_registered_under_its_public_name():
+    assert op_names() == ("grouped_gemm", "moe_expert_rows", "moe_experts", "sparse_attention")
+    for name in op_names():
+        spec = op_spec(name)
+        assert spec.name == name and spec.implementations == ("xla", "cute")
+        assert spec.reference.__name__ == f"{name}_reference"
+        assert getattr(dj.ffi, name).__name__ == name
+    with pytest.raises(ValueError, match="unknown op 'moe'; the ops are grouped_gemm, "):
+        op_spec("moe")
+
+
 @pytest.mark.parametrize("value, op, expected", [
     ("xla", "sparse_attention", "xla"), ("cute", "sparse_attention", "cute"),
-    ("sparse_attention=xla,moe=cute", "sparse_attention", "xla"),
-    ("moe=cute", "sparse_attention", None), ("", "sparse_attention", None),
+    ("sparse_attention=xla,moe_experts=cute", "sparse_attention", "xla"),
+    ("sparse_attention=xla,moe_experts=cute", "moe_experts", "cute"),
+    ("moe_experts=cute", "sparse_attention", None), ("", "sparse_attention", None),
+    ("auto", "moe_experts", None),
 ])
-def test_env_override_parsing(monkeypatch, value, op, expected):
-    monkeypatch.setenv(dispatch.ENV_VAR, value)
-    assert dispatch.env_override(op) == expected
+def test_environment_parses_into_a_policy(value, op, expected):
+    policy = KernelPolicy.from_environment({"DSV4_IMPLEMENTATION": value})
+    assert policy.implementation_for(op) == expected
 
 
-def test_env_override_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
-    with pytest.raises(ValueError, match="DSV4_IMPLEMENTATION"):
-        dispatch.env_override("sparse_attention")
+@pytest.mark.parametrize("env, message", [
+    ({"DSV4_IMPLEMENTATION": "fast"}, r"DSV4_IMPLEMENTATION='fast': the value 'fast' must be"),
+    ({"DSV4_IMPLEMENTATION": "moe=xla"},
+     r"DSV4_IMPLEMENTATION='moe=xla': unknown op 'moe'; the ops are grouped_gemm, moe_expert_"),
+    ({"DSV4_IMPLEMENTATION": "moe_experts=triton"},
+     r"moe_experts: implementation must be one of \('xla', 'cute'\)"),
+    ({"DSV4_MOE_ALGORITHM": "simt"}, r"DSV4_MOE_ALGORITHM='simt': must be one of \('wgmma'"),
+    ({"DSV4_MOE_PREFILL_ALGORITHM": "mma_sync"},
+     r"DSV4_MOE_PREFILL_ALGORITHM='mma_sync': must be one of \('wgmma', 'wgmma_fp8'\)"),
+    ({"DSV4_MOE_SPLIT_K": "0"}, r"DSV4_MOE_SPLIT_K='0': must be an integer in \[1, 16\]"),
+    ({"DSV4_MOE_SPLIT_K": "x"}, "DSV4_MOE_SPLIT_K='x'"),
+    ({"DSV4_MOE_SPLIT_K": "99"}, "DSV4_MOE_SPLIT_K='99'"),
+])
+def test_bad_environment_values_name_the_variable_and_the_valid_ones(env, message):
+    with pytest.raises(ValueError, match=message):
+        KernelPolicy.from_environment(env)
 
 
-def test_env_xla_forces_the_reference_even_over_explicit_cute(monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_VAR, "xla")
-    shapes = [S(x.shape, x.dtype) for x in _arrays()]
-    for impl in (None, "cute"):
-        text = _lower_for_cuda(
-            lambda *a: sparse_attention(*a, scale=SCALE, implementation=impl), *shapes)
-        assert CUSTOM_CALL not in text
+def test_kernel_variables_parse_into_the_grouped_gemm_policy():
+    policy = KernelPolicy.from_environment({"DSV4_MOE_ALGORITHM": "mma_sync",
+                                            "DSV4_MOE_PREFILL_ALGORITHM": "wgmma_fp8",
+                                            "DSV4_MOE_SPLIT_K": "4"})
+    assert policy.grouped_gemm == GroupedGemmPolicy("mma_sync", "wgmma_fp8", 4)
+    assert KernelPolicy.from_environment({}) == KernelPolicy()
+
+
+@pytest.mark.parametrize("build, error, message", [
+    (lambda: KernelPolicy(implementation="triton"), ValueError,
+     "KernelPolicy: implementation must be 'xla', 'cute' or None, got 'triton'"),
+    (lambda: KernelPolicy(ops={"moe": "xla"}), ValueError, "unknown op 'moe'; the ops are"),
+    (lambda: KernelPolicy(ops={"moe_experts": "fast"}), ValueError,
+     r"moe_experts: implementation must be one of \('xla', 'cute'\) or None, got 'fast'"),
+    (lambda: KernelPolicy(ops=3), TypeError, "KernelPolicy: ops must map op names"),
+    (lambda: GroupedGemmPolicy(decode_algorithm="simt"), ValueError,
+     r"GroupedGemmPolicy: decode_algorithm must be one of \('wgmma', 'mma_sync', 'mma_fp8', "
+     r"'wgmma_fp8'\), got 'simt'"),
+    (lambda: GroupedGemmPolicy(prefill_algorithm="mma_fp8"), ValueError,
+     r"prefill_algorithm must be one of \('wgmma', 'wgmma_fp8'\), got 'mma_fp8'"),
+    (lambda: GroupedGemmPolicy(split_k=0), ValueError, r"split_k must be an integer in \[1, 16\]"),
+    (lambda: KernelPolicy.coerce(3.0), TypeError, "implementation must be None, 'xla', 'cute'"),
+    (lambda: dj.DSV4(dj.Config.tiny(), implementation={"moe": "xla"}).init, ValueError,
+     "unknown op 'moe'"),
+])
+def test_bad_policies_fail_on_construction_naming_the_value(build, error, message):
+    with pytest.raises(error, match=message):
+        build()
+
+
+def test_policy_is_a_hashable_value_and_a_mapping_is_normalised():
+    a = KernelPolicy(ops={"sparse_attention": "xla", "moe_experts": "cute"})
+    b = KernelPolicy(ops=[("moe_experts", "cute"), ("sparse_attention", "xla")])
+    assert a == b and hash(a) == hash(b)
+    assert KernelPolicy.coerce("xla") == KernelPolicy(implementation="xla")
+    assert KernelPolicy.coerce({"moe_experts": "xla"}).implementation_for("moe_experts") == "xla"
+    assert KernelPolicy.coerce(a) is a
+
+
+def test_xla_policy_puts_the_model_on_its_references_even_when_lowering_for_cuda():
+    cfg = dj.Config.tiny(quantized=True)
+    params = dj.abstract_params(cfg)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 1, 128))
+    tok = S((1, 1), jnp.int32)
+    for implementation, has_kernel in (
+            (None, True), (KernelPolicy.from_environment({"DSV4_IMPLEMENTATION": "xla"}), False)):
+        model = dj.DSV4(cfg, implementation=implementation, runtime_checks=False)
+        text = _lower_for_cuda(lambda p, t, c: model.apply({"params": p}, t, c), params, tok,
+                               cache)
+        assert (CUSTOM_CALL in text) == has_kernel
 
 
 def test_cpu_default_path_does_not_import_cutlass():

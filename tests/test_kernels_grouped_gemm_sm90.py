@@ -1,4 +1,4 @@
-"""The Hopper MoE kernels on CPU: the FP4/FP8 -> bf16 bit tricks replayed on every code, the
+"""The Hopper grouped-GEMM kernels on CPU: the FP4/FP8 -> bf16 bit tricks replayed on every code, the
 on-device expert schedule, shape support, the "mma_sync" kernel's lane/fragment mapping
 replayed in numpy, and compilation for sm_90a (WGMMA / mma.sync in the PTX)."""
 import dataclasses
@@ -11,28 +11,11 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.ffi import moe as moe_op
-from dsv4_jax.kernels import moe_sm90 as support
+from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
+from dsv4_jax.kernels import grouped_gemm_config as support
 
-cutlass = pytest.importorskip("cutlass")
-import cutlass.cute as cute  # noqa: E402
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream  # noqa: E402
-
-from dsv4_jax.kernels import moe_sm90_launch as kernel  # noqa: E402
-
-
-def _prmt(a: int, b: int, selector: int) -> int:
-    """PTX ``prmt.b32`` (default mode): byte i of the result is byte s & 7 of {b, a},
-    or the replicated sign bit of that byte when s & 8."""
-    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
-    out = 0
-    for i in range(4):
-        s = (selector >> (4 * i)) & 0xF
-        byte = pool[s & 7]
-        if s & 8:
-            byte = 0xFF if byte & 0x80 else 0x00
-        out |= byte << (8 * i)
-    return out
+pytest.importorskip("cutlass")
+from grouped_gemm_compile import compile_variant as _compile, prmt as _prmt  # noqa: E402
 
 
 def _bf16_pair(word: int) -> np.ndarray:
@@ -88,7 +71,7 @@ def test_schedule_covers_every_valid_row_once(block_n):
     ids[:40] = 3                                           # one crowded expert
     ids[[5, 17, 99]] = [-1, num_experts, 1 << 20]          # dropped
     order, valid, tile_expert, tile_row0, tile_rows = map(
-        np.asarray, jax.jit(moe_op.moe_schedule, static_argnums=(1, 2))(
+        np.asarray, jax.jit(gemm.schedule, static_argnums=(1, 2))(
             jnp.asarray(ids), num_experts, block_n))
     assert tile_expert.shape == (support.num_tile_slots(rows, num_experts, block_n),)
     np.testing.assert_array_equal(np.sort(order), np.arange(rows))
@@ -121,11 +104,18 @@ def test_support_rejects_what_the_kernel_cannot_take():
                 dict(algorithm="wgmma", ablation="no_scale_load"),
                 dict(algorithm="wgmma", ablation="no_mma+no_mma"),
                 dict(algorithm="wgmma", ablation="no_mma+"),
-                dict(algorithm="mma_sync", block_n=8, ablation="no_mma+no_load")):
-        with pytest.raises(ValueError, match="MoeGemmSm90Config"):
-            support.MoeGemmSm90Config(**bad)
-    joined = support.MoeGemmSm90Config(ablation="no_dequant+no_mma")
-    assert joined.leaves_out("no_mma") and not joined.leaves_out("no_load")
+                dict(algorithm="mma_fp8", block_n=8, ablation="no_load"),
+                dict(algorithm="wgmma_fp8", block_n=64, ablation="no_load")):
+        with pytest.raises(ValueError, match="GroupedGemmSm90Config"):
+            support.GroupedGemmSm90Config(**bad)
+    # One ablation mechanism: every kernel takes its spec's stages, joined by "+".
+    for algorithm, spec in support.KERNELS.items():
+        if len(spec.ablations) > 1:
+            block_n = 8 if spec.tiles == "decode" else 64
+            joined = support.GroupedGemmSm90Config(block_n=block_n, algorithm=algorithm,
+                                                   ablation="+".join(spec.ablations[-2:]))
+            assert [joined.leaves_out(a) for a in spec.ablations] == [
+                a in spec.ablations[-2:] for a in spec.ablations]
     for fmt in support.WEIGHT_FORMATS:
         for rows in (6, 48, 384, 24576):
             config = support.choose_config(rows, 256, fmt)
@@ -133,9 +123,10 @@ def test_support_rejects_what_the_kernel_cannot_take():
         config = support.choose_config(8, 256, fmt, decode_algorithm="mma_sync")
         assert config.algorithm == "mma_sync" and config.block_n == 8
         assert 2 * config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, config)
-        assert support.choose_config(8192, 256, fmt, "mma_sync").algorithm == "wgmma"
+        assert support.choose_config(8192, 256, fmt,
+                                     decode_algorithm="mma_sync").algorithm == "wgmma"
     with pytest.raises(ValueError, match="decode_algorithm"):
-        support.choose_config(8, 256, "fp4", "simt")
+        support.choose_config(8, 256, "fp4", decode_algorithm="simt")
 
 
 # ----------------------------------------------------------- "mma_sync": the lane mapping
@@ -174,7 +165,7 @@ def _staged_values(fmt, row_bytes_fn, scale_fn, lane, kb):
 
 @pytest.mark.parametrize("fmt", support.WEIGHT_FORMATS)
 def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
-    """Replays one warp of ``moe_sm90_warp`` in numpy over 3 K blocks: the bytes each lane
+    """Replays one warp of ``grouped_gemm_sm90_mma_sync`` in numpy over 3 K blocks: the bytes each lane
     stages (``warp_lane_weight_byte``), the token stage the CTA writes and the units each
     lane reads of it (``warp_token_unit``, ``warp_lane_columns``), the converters' code order, the kernel's MMA operand
     assembly and the PTX fragment semantics. Their product must be W x^T."""
@@ -342,7 +333,7 @@ def _mma_m16n8k32(a, b):
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8"])
 def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
-    """Replays one warp of ``moe_sm90_warp_fp8`` in numpy over 2 K blocks of one matrix:
+    """Replays one warp of ``grouped_gemm_sm90_mma_fp8`` in numpy over 2 K blocks of one matrix:
     the weight units each lane copies into swizzled rows, the CTA's token stage, the words
     each lane reads back per step, the FP4 -> e4m3 conversion, the token ``prmt`` split,
     the MMA fragments, the per-step (FP4) or per-K-block (FP8) scales and 2^6 (FP4)."""
@@ -419,50 +410,20 @@ def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
     np.testing.assert_allclose(acc, w @ x_val.T, rtol=1e-9, atol=1e-9)
 
 
-def _compile(fmt, gated, config, a=64, k=512, n=256, e=4):
-    """Compile as ``cutlass_call`` does on the device: every extent a runtime value (only the
-    divisibilities the JAX side guarantees are known), the launcher's static arguments."""
-    def fake(dtype, shape):
-        return make_fake_compact_tensor(dtype, shape, assumed_align=16)
-
-    def dyn(extent):
-        div = next(d for d in (16, 8, 4, 2, 1) if extent % d == 0)
-        return cute.sym_int(divisibility=div)
-    u8, bf16, i32 = cutlass.Uint8, cutlass.BFloat16, cutlass.Int32
-    a_, k_, n_, e_ = dyn(a), dyn(k), dyn(n), dyn(e)
-    weights = {"fp4": (fake(u8, (e_, n_, dyn(k // 2))), fake(u8, (e_, n_, dyn(k // 32)))),
-               "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
-               "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
-    slots = dyn(support.num_tile_slots(a, e, config.block_n))
-    fp8_x = config.algorithm in support.FP8_ACTIVATION_ALGORITHMS   # e4m3 codes + f32 scales
-    x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
-    x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
-    # A K split writes f32 partial sums [split, rows, mats * N].
-    out = (fake(bf16, (a_, n_)) if config.split_k == 1 else
-           fake(cutlass.Float32, (config.split_k, a_, dyn((2 if gated else 1) * n))))
-    return cute.compile(kernel.moe_gemm_launcher, make_fake_stream(), x,
-                        fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
-                        *weights, *weights, fake(cutlass.Float32, (a_,)), x_scale, out,
-                        weight_format=fmt, gated=gated, swiglu_limit=10.0,
-                        block_n=config.block_n, num_stages=config.num_stages,
-                        algorithm=config.algorithm, ablation=config.ablation,
-                        scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
-                        split_k=config.split_k)
-
-
 MMA_SYNC = {fmt: support.choose_config(8, 4, fmt, decode_algorithm="mma_sync",
-                                        few_rows_split_k=4)
+                                        split_k=4)
             for fmt in support.WEIGHT_FORMATS}
 VARIANTS = {"fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG),
             "fp8-down-prefill": ("fp8", False, support.PREFILL_CONFIG),
-            "bf16-gated-decode": ("bf16", True, support.choose_config(8, 4, "bf16", "wgmma")),
+            "bf16-gated-decode": ("bf16", True, support.choose_config(
+                8, 4, "bf16", decode_algorithm="wgmma")),
             "fp4-gated-mma-sync": ("fp4", True, MMA_SYNC["fp4"]),
             "fp8-down-mma-sync": ("fp8", False, MMA_SYNC["fp8"]),
             "bf16-gated-mma-sync": ("bf16", True, MMA_SYNC["bf16"]),
             # More rows than two tiles: the whole K per CTA, bf16 outputs (the others: K
             # split 4 ways, f32 partial sums).
-            "fp4-gated-mma-sync-whole-k": ("fp4", True, support.choose_config(64, 16, "fp4",
-                                                                              "mma_sync"))}
+            "fp4-gated-mma-sync-whole-k": ("fp4", True, support.choose_config(
+                64, 16, "fp4", decode_algorithm="mma_sync"))}
 
 
 @pytest.fixture(scope="module")
@@ -506,7 +467,7 @@ def test_compiles_for_sm90a(compiled, variant):
 def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
     """"mma_fp8": FP8 tensor-core MMAs (4 per matrix and K block), the FP4 conversion by
     shifts (no bf16 conversion, no bf16 multiply), one CTA barrier per K block."""
-    config = support.choose_config(8, 4, fmt, "mma_fp8")
+    config = support.choose_config(8, 4, fmt, decode_algorithm="mma_fp8")
     assert config.algorithm == "mma_fp8"
     compiled = _compile(fmt, gated, config, k=k)
     ptx = compiled.artifacts.PTX
@@ -514,28 +475,29 @@ def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
     assert len(mma) == 4 * (2 if gated else 1)
     assert "mul.rn.bf16x2" not in ptx and "wgmma" not in ptx and ptx.count("bar.sync") == 1
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
-    with pytest.raises(ValueError, match="MoeGemmWarpFp8Sm90"):
+    with pytest.raises(ValueError, match="GroupedGemmMmaFp8Sm90"):
         _compile("bf16", gated, dataclasses.replace(config, num_stages=3), k=k)
 
 
 def test_k_split_for_few_rows():
     """At most two tiles of rows, when asked: the warp kernels split K; each split starts a
     scale group and the splits cover every K block once."""
-    assert support.choose_config(6, 256, "fp4").split_k == 1        # opt-in until measured
-    assert support.choose_config(6, 256, "fp4", few_rows_split_k=4).split_k == 4
-    assert support.choose_config(48, 256, "fp4", few_rows_split_k=4).split_k == 1
-    assert support.choose_config(6, 256, "fp4", "wgmma", few_rows_split_k=4).split_k == 1
+    assert support.choose_config(6, 256, "fp4").split_k == 1        # only when a policy asks
+    assert support.choose_config(6, 256, "fp4", split_k=4).split_k == 4
+    assert support.choose_config(48, 256, "fp4", split_k=4).split_k == 1
+    assert support.choose_config(6, 256, "fp4", decode_algorithm="wgmma",
+                                 split_k=4).split_k == 1
     for num_k in (2, 3, 8, 16, 24, 32, 56):
         for group in (1, 2, 4):
             per = support.split_k_blocks(num_k, 4, group)
             assert per % group == 0 and 4 * per >= num_k and per < num_k + group
     with pytest.raises(ValueError, match="split_k"):
-        support.MoeGemmSm90Config(block_n=64, num_stages=3, algorithm="wgmma", split_k=2)
+        support.GroupedGemmSm90Config(block_n=64, num_stages=3, algorithm="wgmma", split_k=2)
 
 
 def test_tile_size_follows_the_rows_per_expert_crossover():
     """Warp kernels (8-row tiles) up to 16 rows per expert, 64-row WGMMA tiles up to 40,
-    then 128 (the H200 crossover in kernels/moe_sm90.py); bf16 weights cap tiles at 64."""
+    then 128 (the H200 crossover in kernels/grouped_gemm_config.py); bf16 weights cap tiles at 64."""
     e = 256
     picks = {rows: support.choose_config(rows, e, "fp4") for rows in
              (6, 16 * e, 16 * e + 1, 40 * e, 40 * e + 1, 96 * e)}
@@ -548,17 +510,18 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
 
 
 def test_mma_fp8_falls_back_where_it_does_not_apply():
-    assert support.choose_config(8, 256, "fp4", "mma_fp8").algorithm == "mma_fp8"
-    assert support.choose_config(8, 256, "bf16", "mma_fp8").algorithm == "mma_sync"
-    assert support.choose_config(8, 256, "fp4", "mma_fp8", fp8_activations=False).algorithm \
-        == "mma_sync"
-    assert support.choose_config(8192, 256, "fp4", "mma_fp8").algorithm == "wgmma"
-    config = support.MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
+    def pick(rows, fmt, **kw):
+        return support.choose_config(rows, 256, fmt, decode_algorithm="mma_fp8", **kw).algorithm
+    assert pick(8, "fp4") == "mma_fp8"
+    assert pick(8, "bf16") == "mma_sync"
+    assert pick(8, "fp4", fp8_activations=False) == "mma_sync"
+    assert pick(8192, "fp4") == "wgmma"
+    config = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
     ok, why = config.is_supported(weight_format="bf16", gated=True, n_out=256, k_in=512,
                                   x_dtype="bfloat16", num_tiles=8)
     assert not ok and "mma_fp8" in why
     with pytest.raises(ValueError, match="ablation"):
-        support.MoeGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_load")
+        support.GroupedGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_load")
 
 
 def test_grouped_gemm_takes_fp8_activations_exactly_for_mma_fp8():
@@ -567,16 +530,16 @@ def test_grouped_gemm_takes_fp8_activations_exactly_for_mma_fp8():
     e, n, k, rows = 2, 64, 256, 8
     w = jnp.zeros((e, n, k // 2), jnp.uint8)
     s = jnp.zeros((e, n, k // 32), jnp.uint8)
-    sched = moe_op.moe_schedule(jnp.zeros((rows,), jnp.int32), e, 8)
-    sched = (sched[0], *sched[2:])
-    fp8 = support.MoeGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
+    tiles = tuple(gemm.schedule(jnp.zeros((rows,), jnp.int32), e, 8)[2:])
+    fp8 = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
     bf16_rows = jnp.zeros((rows, k), jnp.bfloat16)
     codes, scales = quant.act_quant(bf16_rows)
-    with pytest.raises(ValueError, match="grouped_gemm_sm90: algorithm 'mma_fp8' with xs bfloat16"):
-        moe_op.grouped_gemm_sm90(bf16_rows, sched, w, s, config=fp8)
+    with pytest.raises(ValueError,
+                       match="grouped_gemm launch: algorithm 'mma_fp8' with xs bfloat16"):
+        gemm.launch(bf16_rows, tiles, w, s, config=fp8)
     with pytest.raises(ValueError, match="algorithm 'mma_sync' with xs float8_e4m3fn"):
-        moe_op.grouped_gemm_sm90(codes, sched, w, s, x_scale=scales,
-                                 config=support.choose_config(rows, e, "fp4", "mma_sync"))
+        gemm.launch(codes, tiles, w, s, x_scale=scales,
+                    config=support.choose_config(rows, e, "fp4", decode_algorithm="mma_sync"))
 
 
 @pytest.mark.parametrize("k,group", [(384, 1), (768, 2)])
@@ -589,7 +552,7 @@ def test_mma_sync_short_fp4_scale_rows_use_aligned_small_copies(k, group):
     assert sizes and set(sizes) == {str(4 * group)}, sizes
 
 
-@pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.WARP_ABLATIONS[1:])
+@pytest.mark.parametrize("ablation", support.KERNELS["mma_sync"].ablations)
 def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
     """The benchmark-only variants of moe_kernel_ablation.py build for sm_90a, and each
     leaves out what it names (K of 8 blocks so that copies after the first stages exist)."""
@@ -600,7 +563,7 @@ def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
     assert ptx.count("cp.async.wait_group") == 2
 
 
-@pytest.mark.parametrize("ablation", support.MoeGemmSm90Config.ABLATIONS[1:]
+@pytest.mark.parametrize("ablation", support.KERNELS["wgmma"].ablations
                          + ("no_dequant+no_mma", "no_load+no_token_load+no_dequant+no_mma"))
 def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
     """The WGMMA kernel's benchmark-only variants (moe_kernel_ablation.py at prefill sizes)

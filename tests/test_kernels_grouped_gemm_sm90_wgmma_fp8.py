@@ -1,4 +1,4 @@
-"""The "wgmma_fp8" prefill kernel (kernels/moe_sm90_fp8.py) without a GPU: numpy replays of
+"""The "wgmma_fp8" prefill kernel (kernels/grouped_gemm_sm90_wgmma_fp8.py) without a GPU: numpy replays of
 its FP4 -> e4m3 conversion with the scales folded in (every code, every nibble position,
 every exact fold factor, rounding past them, whole rows against the dequantised weights),
 its configuration and support rules, and its sm_90a compilation (PTX instruction counts);
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from dsv4_jax import quant
-from dsv4_jax.kernels import moe_sm90 as support
+from dsv4_jax.kernels import grouped_gemm_config as support
 
 pytest.importorskip("cutlass")
-from test_kernels_moe_sm90 import _compile, _prmt  # noqa: E402
+from grouped_gemm_compile import compile_variant as _compile, prmt as _prmt  # noqa: E402
 
 E4M3 = ml_dtypes.float8_e4m3fn
 MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
@@ -134,7 +134,7 @@ def test_prefill_algorithm_selection():
     # Fallbacks to "wgmma": BF16 weights, simulation off, an odd number of K blocks.
     for kw in (dict(weight_format="bf16"), dict(fp8_activations=False),
                dict(k_ins=(4096, 384))):
-        args = dict(num_rows=4096, num_experts=16, weight_format="fp4",
+        args = dict(num_rows=4096, num_groups=16, weight_format="fp4",
                     prefill_algorithm="wgmma_fp8") | kw
         assert support.choose_config(**args).algorithm == "wgmma", kw
     # Decode tiles keep their own algorithm.
@@ -153,9 +153,9 @@ def test_wgmma_fp8_support_rules():
     ok, why = cfg.is_supported(weight_format="bf16", k_in=4096, **kw)
     assert not ok and "'wgmma_fp8' takes fp4/fp8" in why
     with pytest.raises(ValueError, match="block_n <= 64"):
-        support.MoeGemmSm90Config(block_n=128, num_stages=4, algorithm="wgmma_fp8")
+        support.GroupedGemmSm90Config(block_n=128, num_stages=4, algorithm="wgmma_fp8")
     with pytest.raises(ValueError, match="ablation"):
-        support.MoeGemmSm90Config(block_n=64, num_stages=4, algorithm="wgmma_fp8",
+        support.GroupedGemmSm90Config(block_n=64, num_stages=4, algorithm="wgmma_fp8",
                                   ablation="no_load")
 
 
@@ -165,7 +165,7 @@ def test_wgmma_fp8_support_rules():
 def test_wgmma_fp8_compiles_for_sm90a(fmt, gated, block_n):
     """FP8 WGMMAs of K = 32 (4 per matrix and K block, the loop unrolled by 2), the FP4 fold
     (4 table conversions per matrix and thread), the promotion FMAs, one proxy fence."""
-    config = support.MoeGemmSm90Config(block_n=block_n, num_stages=4, algorithm="wgmma_fp8")
+    config = support.GroupedGemmSm90Config(block_n=block_n, num_stages=4, algorithm="wgmma_fp8")
     compiled = _compile(fmt, gated, config, a=256, k=512, n=256, e=4)
     ptx = compiled.artifacts.PTX
     mats = 2 if gated else 1
@@ -204,12 +204,14 @@ ASSEMBLED = {
     "wgmma_fp8-fp8-down": ("fp8", False, support.PREFILL_FP8_CONFIG, 256),
     "wgmma-fp4-gated-prefill": ("fp4", True, support.PREFILL_CONFIG, 256),
     "wgmma-fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG, 8),
-    "mma_fp8-fp4-gated": ("fp4", True, support.choose_config(64, 256, "fp4", "mma_fp8"), 64),
+    "mma_fp8-fp4-gated": ("fp4", True, support.choose_config(
+        64, 256, "fp4", decode_algorithm="mma_fp8"), 64),
     "mma_fp8-fp4-gated-split": ("fp4", True, support.choose_config(
-        6, 256, "fp4", "mma_fp8", few_rows_split_k=4), 6),
-    "mma_sync-fp4-gated": ("fp4", True, support.choose_config(64, 256, "fp4", "mma_sync"), 64),
+        6, 256, "fp4", decode_algorithm="mma_fp8", split_k=4), 6),
+    "mma_sync-fp4-gated": ("fp4", True, support.choose_config(
+        64, 256, "fp4", decode_algorithm="mma_sync"), 64),
     "mma_sync-fp8-down-split": ("fp8", False, support.choose_config(
-        6, 256, "fp8", "mma_sync", few_rows_split_k=4), 6),
+        6, 256, "fp8", decode_algorithm="mma_sync", split_k=4), 6),
 }
 
 

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi import dispatch, sparse_attention
-from dsv4_jax.kernels import sparse_attention_sm90 as support
-from dsv4_jax.kernels.sparse_attention_sm90 import SparseAttentionSm90Config as Config
+from dsv4_jax.kernels import sparse_attention_config as support
+from dsv4_jax.kernels.sparse_attention_config import SparseAttentionSm90Config as Config
 
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import moe_cases
 from dsv4_jax import quant
 from dsv4_jax.ffi import moe as op
-from dsv4_jax.kernels.moe_sm90 import WARP_ROWS_PER_EXPERT
+from dsv4_jax.ffi.moe_sm90 import moe_support
+from dsv4_jax.ffi.policy import GroupedGemmPolicy
+from dsv4_jax.kernels.grouped_gemm_config import WARP_ROWS_PER_EXPERT
 from dsv4_jax.models import moe
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -220,12 +222,16 @@ def test_dispatch_on_cpu():
     xa, ea, wa = _rows("fp4", 2)
     with pytest.raises(ValueError, match="implementation must be"):
         _call_rows("fp4", True, xa, ea, wa, impl="triton")
-    ok, reason = op.kernel_support(xa, *(_weights("fp4")[n] for n in ("w1", "w3", "w2")))
+    def support(x, fmt):
+        return moe_support(x.shape[0], jnp.dtype(x.dtype).name,
+                           *(_weights(fmt)[n] for n in ("w1", "w3", "w2")), simulate=True,
+                           policy=None)
+    ok, reason = support(xa, "fp4")
     if ok:   # tiny FP4 dims are within the kernel's limits: explicit cute needs the GPU
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             _call_rows("fp4", True, xa, ea, wa, impl="cute")
     f32 = _rows("f32", 2)
-    ok32, why = op.kernel_support(f32[0], *(_weights("f32")[n] for n in ("w1", "w3", "w2")))
+    ok32, why = support(f32[0], "f32")
     assert not ok32 and why
     # Default on CPU: the reference.
     np.testing.assert_array_equal(np.asarray(_call_rows("fp4", True, xa, ea, wa, impl=None)),
@@ -350,9 +356,9 @@ def _rel_err(got, want):
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
 
 
-def case_inputs(impl, dims, fmt, t, routing, simulate=True):
+def case_inputs(impl, dims, fmt, t, routing, simulate=True, policy=None):
     """One case's weights ``p``, op arguments ``(x, idx, w, w1, w3, w2)``, numerics ``kw``
-    and the jitted op (also used by benchmarks/moe_case_phases.py). The weights are
+    and the jitted op under ``policy`` (a ``GroupedGemmPolicy``). The weights are
     arguments: closed over, jax 0.11.2 on the GPU made them constants of the program, and
     compiling GBs of constants took ~170 s of every Flash/Pro case (2-10 s as arguments;
     measured with benchmarks/moe_case_phases.py, H200, 2026-11-23)."""
@@ -362,13 +368,14 @@ def case_inputs(impl, dims, fmt, t, routing, simulate=True):
     x = jax.random.normal(jax.random.key(7 + t), (t, d), jnp.float32).astype(jnp.bfloat16)
     kw = dict(swiglu_limit=LIMIT, quantized=fmt != "bf16", simulate=simulate)
     f = jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts(x, i, w, w1, w3, w2, **kw,
-                                                           implementation=impl))
+                                                           implementation=impl, policy=policy))
     return p, (x, idx, w, p["w1"], p["w3"], p["w2"]), kw, f
 
 
-def check_implementation(impl, dims, fmt, t, routing, simulate=True):
-    """Shared body: the op with ``impl`` vs the reference on a random routing."""
-    p, args, kw, f = case_inputs(impl, dims, fmt, t, routing, simulate)
+def check_implementation(impl, dims, fmt, t, routing, simulate=True, policy=None):
+    """Shared body: the op with ``impl`` (and ``policy``) vs the reference on a random
+    routing."""
+    p, args, kw, f = case_inputs(impl, dims, fmt, t, routing, simulate, policy)
     x, idx, w = args[:3]
     got = f(*args)
     again = f(*args)
@@ -432,22 +439,11 @@ PREFILL_FP8_CASES = ([("small", f, t, r) for f in ("fp4", "fp8") for t in (64, 4
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims, fmt, t, routing", PREFILL_FP8_CASES)
-def test_wgmma_fp8_prefill_matches_the_reference(monkeypatch, dims, fmt, t, routing):
+def test_wgmma_fp8_prefill_matches_the_reference(dims, fmt, t, routing):
     e, _, _, k = DIMS[dims]
     assert t * (1 if routing == "one_expert" else k) > 4 * e, "not a prefill-size case"
-    monkeypatch.setenv(op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
-    check_implementation("cute", dims, fmt, t, routing)
-
-
-def test_k_split_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(op.SPLIT_K_ENV_VAR, raising=False)
-    assert op.few_rows_split_k() == 1
-    monkeypatch.setenv(op.SPLIT_K_ENV_VAR, "4")
-    assert op.few_rows_split_k() == 4
-    for bad in ("0", "x", "-2", "99"):
-        monkeypatch.setenv(op.SPLIT_K_ENV_VAR, bad)
-        with pytest.raises(ValueError, match="DSV4_MOE_SPLIT_K"):
-            op.few_rows_split_k()
+    check_implementation("cute", dims, fmt, t, routing,
+                         policy=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
 
 
 # The K split of the decode kernels (opt-in): T = 1-2 on both warp algorithms.
@@ -455,30 +451,10 @@ def test_k_split_comes_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("dims, fmt, t, algorithm", [
     (d, f, t, a) for d in ("small", "flash") for f in ("fp4", "fp8") for t in (1, 2)
     for a in ("mma_fp8", "mma_sync")] + [("pro", "fp4", 1, "mma_fp8"), ("small", "bf16", 1, "")])
-def test_k_split_matches_the_reference(monkeypatch, dims, fmt, t, algorithm):
-    monkeypatch.setenv(op.SPLIT_K_ENV_VAR, "4")
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, algorithm)
-    check_implementation("cute", dims, fmt, t, "random")
-
-
-def test_prefill_algorithm_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(op.PREFILL_ALGORITHM_ENV_VAR, raising=False)
-    assert op.prefill_algorithm() == "wgmma"
-    monkeypatch.setenv(op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
-    assert op.prefill_algorithm() == "wgmma_fp8"
-    monkeypatch.setenv(op.PREFILL_ALGORITHM_ENV_VAR, "mma_sync")
-    with pytest.raises(ValueError, match="DSV4_MOE_PREFILL_ALGORITHM='mma_sync'"):
-        op.prefill_algorithm()
-
-
-def test_decode_algorithm_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(op.ALGORITHM_ENV_VAR, raising=False)
-    assert op.decode_algorithm() == "mma_fp8"
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "wgmma")
-    assert op.decode_algorithm() == "wgmma"
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, "simt")
-    with pytest.raises(ValueError, match="DSV4_MOE_ALGORITHM='simt'"):
-        op.decode_algorithm()
+def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
+    policy = GroupedGemmPolicy(split_k=4, **({"decode_algorithm": algorithm} if algorithm
+                                             else {}))
+    check_implementation("cute", dims, fmt, t, "random", policy=policy)
 
 
 # Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
@@ -506,10 +482,10 @@ DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims, fmt, t, routing, algorithm", DECODE_CASES)
-def test_decode_kernels_match_the_reference(monkeypatch, dims, fmt, t, routing, algorithm):
+def test_decode_kernels_match_the_reference(dims, fmt, t, routing, algorithm):
     e, _, _, k = DIMS[dims]
     rows = t * (1 if routing == "one_expert" else k)
     assert rows <= WARP_ROWS_PER_EXPERT * e, "not a decode-size case: the prefill kernel would run"
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, algorithm)            # "": the default
-    check_implementation("cute", dims, fmt, t, routing)
-    check_implementation("cute", dims, fmt, t, routing, simulate=False)
+    policy = GroupedGemmPolicy(decode_algorithm=algorithm) if algorithm else None  # "": default
+    check_implementation("cute", dims, fmt, t, routing, policy=policy)
+    check_implementation("cute", dims, fmt, t, routing, simulate=False, policy=policy)

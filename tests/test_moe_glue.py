@@ -1,8 +1,8 @@
 """The XLA side of the MoE op's Hopper path on CPU: the schedule, the FP8 simulation, the
 gathers, the masking of rows no tile covers and the sum into tokens (``moe_experts_cute``,
 ``moe_expert_rows_cute``), with the kernel launch replaced by a JAX emulation of its
-contract (``grouped_gemm_sm90``: tile rows times their expert's weights, SwiGLU x routing
-weight when gated; rows outside every tile left unwritten -- NaN here)."""
+contract (``grouped_gemm_sm90.launch``: tile rows times their expert's weights, SwiGLU x
+routing weight when gated; rows outside every tile left unwritten -- NaN here)."""
 import numpy as np
 import pytest
 
@@ -11,8 +11,10 @@ import jax.numpy as jnp
 
 import moe_cases
 from dsv4_jax import quant
-from dsv4_jax.ffi import cute_call as cute_call_module, moe as op
-from dsv4_jax.kernels import moe_sm90 as support
+from dsv4_jax.ffi import cute_call as cute_call_module, dispatch, moe as op
+from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
+from dsv4_jax.ffi.policy import GroupedGemmPolicy
+from dsv4_jax.kernels import grouped_gemm_config as support
 
 HIGHEST = jax.lax.Precision.HIGHEST
 LIMIT = 10.0
@@ -27,19 +29,19 @@ def _row_expert(tile_expert, tile_row0, tile_rows, rows, block_n):
         jnp.broadcast_to(tile_expert[:, None], target.shape).reshape(-1), mode="drop")
 
 
-def emulated_grouped_gemm(xs, schedule, weight, scale, *, weight_b=None, scale_b=None,
+def emulated_grouped_gemm(xs, tiles, weight, scale, *, weight_b=None, scale_b=None,
                           route_w=None, swiglu_limit=0.0, x_scale=None, config):
     """The kernel's arithmetic in XLA; the FP8-activation algorithms take e4m3 codes and
     their per-128 scales, whose products are exactly the simulation's bf16 rows."""
     if x_scale is not None:
-        xs = (xs.astype(jnp.float32) * jnp.repeat(x_scale, op.BLOCK_K, axis=1)
+        xs = (xs.astype(jnp.float32) * jnp.repeat(x_scale, support.BLOCK_K, axis=1)
               ).astype(jnp.bfloat16)
-    _, tile_expert, tile_row0, tile_rows = schedule
+    tile_expert, tile_row0, tile_rows = tiles
     row_expert = _row_expert(tile_expert, tile_row0, tile_rows, xs.shape[0], config.block_n)
     expert = jnp.maximum(row_expert, 0)
 
     def dot(w, s):
-        wd = op._dequant(w[expert], None if s is None else s[expert], jnp.float32)
+        wd = quant.dequant_weight(w[expert], None if s is None else s[expert], jnp.float32)
         return jnp.einsum("ak,ank->an", xs.astype(jnp.float32), wd, precision=HIGHEST,
                           preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     out = dot(weight, scale)
@@ -66,11 +68,11 @@ def _inputs(fmt, tokens, seed=3):
                                                (40, "wgmma")],
                          ids=["decode", "decode-mma-sync", "decode-many-tiles", "prefill"])
 def test_kernel_path_glue_matches_the_reference(monkeypatch, fmt, tokens, algorithm):
-    monkeypatch.setattr(op, "grouped_gemm_sm90", emulated_grouped_gemm)
-    monkeypatch.setenv(op.ALGORITHM_ENV_VAR, algorithm)
+    monkeypatch.setattr(gemm, "launch", emulated_grouped_gemm)
     x, idx, w, p = _inputs(fmt, tokens)
     for simulate in ((True, False) if fmt != "bf16" else (False,)):
-        kw = dict(swiglu_limit=LIMIT, simulate=simulate)
+        kw = dict(swiglu_limit=LIMIT, simulate=simulate,
+                  policy=GroupedGemmPolicy(decode_algorithm=algorithm))
         ref_kw = dict(swiglu_limit=LIMIT, quantized=fmt != "bf16", simulate=simulate)
         got = jax.jit(lambda x, i, w: op.moe_experts_cute(x, i, w, p["w1"], p["w3"], p["w2"],
                                                           **kw))(x, idx, w)
@@ -104,8 +106,8 @@ def test_the_op_picks_the_token_level_kernel_path(monkeypatch):
     def spy(*args, **kwargs):
         calls.append(kwargs.get("weight_b") is not None)
         return emulated_grouped_gemm(*args, **kwargs)
-    monkeypatch.setattr(op, "grouped_gemm_sm90", spy)
-    monkeypatch.setattr(op, "select_implementation", lambda *a: "cute")
+    monkeypatch.setattr(gemm, "launch", spy)
+    monkeypatch.setattr(dispatch, "select_implementation", lambda *a: "cute")
     x, idx, w, p = _inputs("fp4", 2)
     idx = jnp.abs(idx)                           # concrete ids must be valid outside jit
     got = op.moe_experts(x, idx, w, p["w1"], p["w3"], p["w2"], swiglu_limit=LIMIT,
@@ -136,7 +138,7 @@ def test_rows_are_summed_per_token_by_a_gather_not_a_scatter_add():
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_a_k_split_is_summed_and_gated_like_the_kernel_epilogue(monkeypatch, gated):
-    """``grouped_gemm_sm90`` with ``split_k`` > 1: the launch returns f32 partial sums per
+    """``grouped_gemm_sm90.launch`` with ``split_k`` > 1: the kernel returns f32 partial sums per
     split ``[split, rows, mats * N]`` (here from a stand-in for the kernel, over the K blocks
     ``split_k_blocks`` gives each split); the op adds them, takes w1's half as the gate and
     w3's as the up projection, rounds both to bf16 and applies SwiGLU x routing weight: the
@@ -150,16 +152,16 @@ def test_a_k_split_is_summed_and_gated_like_the_kernel_epilogue(monkeypatch, gat
                      quant.E8M0_DTYPE))
           for name in ("w1", "w3")}
     ea = jnp.asarray(rng.integers(0, e, rows), jnp.int32)
-    order, _, *tiles = op.moe_schedule(ea, e, 8)
-    sched = (order, *tiles)
+    order, _, *tiles = gemm.schedule(ea, e, 8)
+    sched = tuple(tiles)
     xs = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)[order]
     rw = jnp.asarray(rng.uniform(0.1, 1.0, rows), jnp.float32)
-    config = support.MoeGemmSm90Config(block_n=8, num_stages=6, algorithm="mma_sync",
+    config = support.GroupedGemmSm90Config(block_n=8, num_stages=6, algorithm="mma_sync",
                                        split_k=split)
     per = support.split_k_blocks(k // support.BLOCK_K, split, support.warp_scale_group("fp4", 8))
 
-    def kernel_stand_in(launcher, out_shapes, xs_, tile_expert, tile_row0, tile_rows, *_,
-                        **static):
+    def kernel_stand_in(launcher, out_shapes, xs_, x_scale, tile_expert, tile_row0, tile_rows,
+                        *_, **static):
         assert static["split_k"] == split and out_shapes[0].shape == (
             split, rows, (2 if gated else 1) * n) and out_shapes[0].dtype == jnp.float32
         row_expert = _row_expert(tile_expert, tile_row0, tile_rows, rows, 8)
@@ -169,7 +171,7 @@ def test_a_k_split_is_summed_and_gated_like_the_kernel_epilogue(monkeypatch, gat
             lo, hi = min(z * per, k // 128) * 128, min((z + 1) * per, k // 128) * 128
             cols = []
             for w, s in mats:
-                wd = op._dequant(w, s, jnp.float32)[jnp.maximum(row_expert, 0)]
+                wd = quant.dequant_weight(w, s, jnp.float32)[jnp.maximum(row_expert, 0)]
                 cols.append(jnp.einsum("ak,ank->an", xs_[:, lo:hi].astype(jnp.float32),
                                        wd[:, :, lo:hi], precision=HIGHEST))
             parts.append(jnp.concatenate(cols, axis=1))
@@ -178,7 +180,7 @@ def test_a_k_split_is_summed_and_gated_like_the_kernel_epilogue(monkeypatch, gat
     monkeypatch.setattr(cute_call_module, "cute_call", kernel_stand_in)
     kw = dict(weight_b=ws["w3"][0], scale_b=ws["w3"][1], route_w=rw,
               swiglu_limit=LIMIT) if gated else {}
-    got = op.grouped_gemm_sm90(xs, sched, *ws["w1"], config=config, **kw)
+    got = gemm.launch(xs, sched, *ws["w1"], config=config, **kw)
     want = emulated_grouped_gemm(xs, sched, *ws["w1"], config=config, **kw)
     assert got.dtype == jnp.bfloat16 and got.shape == (rows, n)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),

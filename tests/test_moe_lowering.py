@@ -7,14 +7,16 @@ import jax
 import jax.numpy as jnp
 
 import dsv4_jax as dj
-from dsv4_jax.ffi import dispatch, moe as moe_op
+from dsv4_jax.ffi import dispatch
+from dsv4_jax.ffi.moe_sm90 import moe_support
+from dsv4_jax.ffi.policy import GroupedGemmPolicy, KernelPolicy
 from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
-# The kernel classes, named in their ELF: kernels/moe_sm90_kernel.py, kernels/moe_sm90_warp.py,
-# kernels/moe_sm90_warp_fp8.py, kernels/moe_sm90_fp8.py.
-MOE_KERNEL = {"wgmma": "MoeGemmSm90", "mma_sync": "MoeGemmWarpSm90",
-              "mma_fp8": "MoeGemmWarpFp8Sm90", "wgmma_fp8": "MoeGemmFp8Sm90"}
+# The kernel classes, named in their ELF: kernels/grouped_gemm_sm90_wgmma.py, kernels/grouped_gemm_sm90_mma_sync.py,
+# kernels/grouped_gemm_sm90_mma_fp8.py, kernels/grouped_gemm_sm90_wgmma_fp8.py.
+MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm90",
+              "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90"}
 BATCH = 2
 
 
@@ -42,7 +44,8 @@ def _kernel_supports(cfg, tokens):
     rows = jax.ShapeDtypeStruct((BATCH * tokens * cfg.n_activated_experts, cfg.dim),
                                 jnp.bfloat16)
     pairs = [(p[n]["weight"], p[n]["scale"]) for n in ("w1", "w3", "w2")]
-    return moe_op.kernel_support(rows, *pairs)
+    return moe_support(rows.shape[0], "bfloat16", *pairs, simulate=cfg.quant_simulation,
+                       policy=None)
 
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
@@ -50,45 +53,44 @@ def _kernel_supports(cfg, tokens):
     ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync")],
     ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-sync",
          "fp8-decode-mma-sync"])
-def test_model_step_lowers_to_the_moe_kernel(monkeypatch, expert_dtype, tokens, algorithm):
+def test_model_step_lowers_to_the_moe_kernel(expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
-    monkeypatch.setenv(moe_op.ALGORITHM_ENV_VAR, algorithm)    # "": the default
+    gemm = GroupedGemmPolicy(decode_algorithm=algorithm) if algorithm else GroupedGemmPolicy()
     algorithm = algorithm or ("mma_fp8" if tokens == 1 else "wgmma")   # the model simulates
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
     # Sparse attention on its reference: every custom call left is the MoE's.
-    monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
-    text = _lower(cfg, tokens)
+    policy = KernelPolicy(ops={"sparse_attention": "xla"}, grouped_gemm=gemm)
+    text = _lower(cfg, tokens, implementation=policy)
     assert CUSTOM_CALL in text and MOE_KERNEL[algorithm] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != algorithm and name in text]
-    monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla,moe=xla")
-    assert CUSTOM_CALL not in _lower(cfg, tokens)
+    policy = KernelPolicy(ops={"sparse_attention": "xla", "moe_experts": "xla"},
+                          grouped_gemm=gemm)
+    assert CUSTOM_CALL not in _lower(cfg, tokens, implementation=policy)
 
 
 @pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
-def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(monkeypatch, expert_dtype):
-    """``DSV4_MOE_PREFILL_ALGORITHM=wgmma_fp8``: the prefill step's MoE runs the FP8 WGMMA
-    kernel (input features of 512 and 512: even numbers of 128-column blocks)."""
+def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(expert_dtype):
+    """``GroupedGemmPolicy(prefill_algorithm="wgmma_fp8")``: the prefill step's MoE runs the
+    FP8 WGMMA kernel (input features of 512 and 512: even numbers of 128-column blocks)."""
     cfg = dj.Config.tiny(quantized=True, expert_dtype=expert_dtype, dim=512, moe_inter_dim=512)
-    monkeypatch.setenv(moe_op.PREFILL_ALGORITHM_ENV_VAR, "wgmma_fp8")
-    monkeypatch.setenv(dispatch.ENV_VAR, "sparse_attention=xla")
+    policy = KernelPolicy(ops={"sparse_attention": "xla"},
+                          grouped_gemm=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
     ok, why = _kernel_supports(cfg, 64)     # 256 rows: 32 per expert, prefill tiles
     assert ok, why
-    text = _lower(cfg, 64)
+    text = _lower(cfg, 64, implementation=policy)
     assert MOE_KERNEL["wgmma_fp8"] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != "wgmma_fp8" and name in text]
 
 
-def test_model_step_lowered_for_cpu_has_no_kernel(monkeypatch):
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+def test_model_step_lowered_for_cpu_has_no_kernel():
     assert CUSTOM_CALL not in _lower(_config("fp4"), 1, platform="cpu")
 
 
 @pytest.mark.parametrize("expert_dtype", ["fp4", "fp8"])
-def test_model_implementation_xla_reaches_the_moe_op(monkeypatch, expert_dtype):
+def test_model_implementation_xla_reaches_the_moe_op(expert_dtype):
     """``DSV4(implementation="xla")`` puts every op, the routed experts included, on its
     reference: lowered for CUDA, the decode step has no custom call (the MoE once ignored it)."""
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
     cfg = _config(expert_dtype)
     assert CUSTOM_CALL in _lower(cfg, 1)
     assert CUSTOM_CALL not in _lower(cfg, 1, implementation="xla")

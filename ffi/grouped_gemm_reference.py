@@ -1,0 +1,178 @@
+"""The grouped GEMM's pure-JAX reference and argument checks (contract: ``ffi/grouped_gemm.py``).
+
+The checks here are shared by every op built on the grouped GEMM (the routed experts
+check their three projections with ``check_weight``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax import quant
+from dsv4_jax.quant import WeightFormat
+
+__all__ = ["grouped_gemm_reference", "check_grouped_gemm_args", "check_weight",
+           "check_ids_in_range", "grouped_products", "swiglu", "describe"]
+
+HIGHEST = jax.lax.Precision.HIGHEST
+ACT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+
+def describe(name: str, x) -> str:
+    return f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}"
+
+
+def check_weight(op: str, name: str, w, groups: int, out_f: int, in_f: int) -> WeightFormat:
+    """One ``(weight, scale)`` pair of logical shape ``[groups, out_f, in_f]``: its format, or
+    ``TypeError``/``ValueError`` naming ``name`` and the shapes."""
+    if not isinstance(w, (tuple, list)) or len(w) != 2:
+        raise TypeError(f"{op}: {name} must be a (weight, scale or None) pair, got "
+                        f"{type(w).__name__}")
+    weight, scale = w
+    fmt = quant.weight_format(weight, scale, name=name, op=op)
+    stored_in = fmt.stored_in(in_f)
+    if (weight.ndim != 3 or tuple(weight.shape) != (groups, out_f, stored_in)
+            or in_f % fmt.codes_per_byte):
+        packed = " (FP4: two codes per byte)" if fmt is quant.FP4 else ""
+        raise ValueError(f"{op}: {name} weight must be [E={groups}, {out_f}, {stored_in}]"
+                         f"{packed}; {describe(name, weight)}")
+    if not fmt.quantized:
+        return fmt
+    if fmt is quant.FP4 and in_f % fmt.scale_block[1]:
+        raise ValueError(f"{op}: {name} is FP4 with in={in_f}, not a multiple of the 32-wide "
+                         f"scale blocks; {describe(name, weight)}")
+    want = (groups, *fmt.scale_shape(out_f, in_f))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{op}: {name} scale must be {list(want)} for {fmt.name.upper()} "
+                         f"weight {tuple(weight.shape)}; {describe(name + ' scale', scale)}")
+    if jnp.dtype(scale.dtype) not in quant.SCALE_DTYPES:
+        raise TypeError(f"{op}: {name} scale must be E8M0 (float8_e8m0fnu or uint8) or f32; "
+                        f"{describe(name + ' scale', scale)}")
+    return fmt
+
+
+def check_ids_in_range(ids, n_groups: int, op: str, what: str = "expert") -> None:
+    """Concrete ids outside ``[0, G)`` are a caller bug: raise. Traced ids are dropped."""
+    if ids is None or isinstance(ids, jax.core.Tracer):
+        return
+    values = np.asarray(ids)
+    bad = (values < 0) | (values >= n_groups)
+    if bad.any():
+        raise ValueError(f"{op}: {what} id {int(values[bad][0])} outside [0, {n_groups}) "
+                         f"({int(bad.sum())} of {values.size} ids); inside jit such ids are "
+                         f"dropped")
+
+
+def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> WeightFormat:
+    """Raise ``TypeError``/``ValueError`` naming the argument when shapes or dtypes are wrong;
+    returns the weights' format."""
+    op = "grouped_gemm"
+    if x.ndim != 2:
+        raise ValueError(f"{op}: x must be [rows, K]; {describe('x', x)}")
+    if jnp.dtype(x.dtype) not in ACT_DTYPES:
+        raise TypeError(f"{op}: x must be bf16 or f32; {describe('x', x)}")
+    rows, k = x.shape
+    if not isinstance(w, (tuple, list)) or len(w) != 2 or getattr(w[0], "ndim", 0) != 3:
+        raise ValueError(f"{op}: w must be a (weight [G, N, K], scale) pair; got "
+                         + (describe("w", w[0]) if isinstance(w, (tuple, list)) and w
+                            and hasattr(w[0], "shape") else type(w).__name__))
+    groups, n = w[0].shape[0], w[0].shape[1]
+    if group_ids is None:
+        if groups != 1:
+            raise ValueError(f"{op}: group_ids=None (a dense linear) takes one group; "
+                             f"{describe('w', w[0])}")
+    elif group_ids.shape != (rows,):
+        raise ValueError(f"{op}: group_ids must be [M={rows}]; {describe('group_ids', group_ids)}")
+    elif group_ids.dtype != jnp.int32:
+        raise TypeError(f"{op}: group_ids must be int32; {describe('group_ids', group_ids)}")
+    fmt = check_weight(op, "w", w, groups, n, k)
+    if w_up is not None:
+        fmt_up = check_weight(op, "w_up", w_up, groups, n, k)
+        if fmt_up is not fmt:
+            raise TypeError(f"{op}: w and w_up must share one format, got {fmt.name}, "
+                            f"{fmt_up.name}")
+    if row_weights is not None:
+        if w_up is None:
+            raise ValueError(f"{op}: row_weights belong to the gated form (give w_up too)")
+        if row_weights.shape != (rows,) or not jnp.issubdtype(row_weights.dtype, jnp.floating):
+            raise ValueError(f"{op}: row_weights must be floating [M={rows}]; "
+                             f"{describe('row_weights', row_weights)}")
+    return fmt
+
+
+# ----------------------------------------------------------------------------- reference
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """``silu(min(gate, l)) * clip(up, -l, l)`` in f32 (``limit`` 0: no clamp)."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        up = jnp.clip(up, -limit, limit)
+        gate = jnp.minimum(gate, limit)
+    return jax.nn.silu(gate) * up
+
+
+def _dot_rows(x, w, simulate, out_dtype):
+    """Each row times its own weight matrix ``w [M, N, K]``."""
+    xin, win = quant.gemm_operands(x, w, simulate)
+    return jnp.einsum("ad,aod->ao", xin, win, preferred_element_type=jnp.float32,
+                      precision=HIGHEST).astype(out_dtype)
+
+
+def _dot_dense(x, w, simulate, out_dtype):
+    """Every row times the one weight matrix ``w [N, K]``."""
+    xin, win = quant.gemm_operands(x, w, simulate)
+    return jnp.einsum("...i,oi->...o", xin, win, preferred_element_type=jnp.float32,
+                      precision=HIGHEST).astype(out_dtype)
+
+
+def _dot_grouped(x, w, group_sizes, simulate, out_dtype):
+    """Rows sorted by group times their group's matrix of ``w [G, N, K]``."""
+    xin, win = quant.gemm_operands(x, w, simulate)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(xin, win, group_sizes, dims, precision=HIGHEST,
+                                      preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def grouped_products(x, group_ids, mats, simulate):
+    """``[x' W^T for W in mats]`` rounded to x's dtype, each row by its group (ids must be in
+    ``[0, G)``; ``group_ids`` None: one group). The reference's two schedules: rows gather
+    their group's weights when there are fewer rows than groups, else rows sorted by group
+    and one ``ragged_dot_general`` per matrix (outputs back in row order)."""
+    dt = x.dtype
+    groups = mats[0][0].shape[0]
+    if group_ids is None:
+        return [_dot_dense(x, quant.dequant_weight(w[0], None if s is None else s[0], dt),
+                           simulate, dt) for w, s in mats]
+    if x.shape[0] < groups:
+        return [_dot_rows(x, quant.dequant_weight(w[group_ids], None if s is None
+                                                  else s[group_ids], dt), simulate, dt)
+                for w, s in mats]
+    order = jnp.argsort(group_ids, stable=True)
+    sizes = jnp.bincount(group_ids, length=groups).astype(jnp.int32)
+    xs = x[order]
+    outs = [_dot_grouped(xs, quant.dequant_weight(w, s, dt), sizes, simulate, dt)
+            for w, s in mats]
+    return [jnp.zeros_like(o).at[order].set(o) for o in outs]
+
+
+def grouped_gemm_reference(x, group_ids, w, *, w_up=None, row_weights=None,
+                           swiglu_limit: float = 0.0, simulate: bool = False):
+    """Pure-JAX definition of ``grouped_gemm`` (runs anywhere); see the module docstring."""
+    check_grouped_gemm_args(x, group_ids, w, w_up, row_weights)
+    groups = w[0].shape[0]
+    ids, valid = group_ids, None
+    if group_ids is not None:
+        valid = (group_ids >= 0) & (group_ids < groups)
+        ids = jnp.where(valid, group_ids, 0)
+    mats = [w] if w_up is None else [w, w_up]
+    outs = grouped_products(x, ids, mats, simulate)
+    if w_up is None:
+        y = outs[0]
+    else:
+        h = swiglu(outs[0], outs[1], swiglu_limit)
+        if row_weights is not None:
+            h = row_weights.astype(jnp.float32)[:, None] * h
+        y = h.astype(x.dtype)
+    return y if valid is None else jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))

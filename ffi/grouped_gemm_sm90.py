@@ -1,0 +1,230 @@
+"""The grouped GEMM on Hopper: schedule, FP8 activation quantisation and the kernel launch
+(``kernels/grouped_gemm_sm90_launch.py``), as XLA custom calls.
+
+One call of ``grouped_gemm_cute``:
+
+1. schedule (XLA, on device, no host sync): rows sorted by group (ids outside ``[0, G)``
+   sort last and are dropped), per-group counts and offsets, and a static worst case of row
+   tiles (group, first sorted row, row count) -- ``num_tile_slots`` entries, unused slots
+   have group -1. A dense linear (``group_ids`` None) needs none of it: its tiles are
+   consecutive blocks of rows, known when tracing;
+2. the FP8 1 x 128 activation quantisation (when simulating) on the rows before the gather
+   (it is per row, so it commutes with it): the FP8 kernels take e4m3 codes and scales, the
+   others their exact bf16 products;
+3. one launch (gated: both matrices, SwiGLU x row weight in the epilogue);
+4. rows back in their order; dropped rows are 0.
+
+``resolve_config`` turns a ``GroupedGemmPolicy`` into the one ``GroupedGemmSm90Config``
+that the support check and the launches of a call share.
+"""
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax import quant
+from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, FP8_ACTIVATION_ALGORITHMS,
+                                                  WEIGHT_FORMATS, GroupedGemmSm90Config,
+                                                  choose_config, num_tile_slots,
+                                                  warp_scale_group)
+from .grouped_gemm_reference import swiglu
+from .policy import GroupedGemmPolicy
+
+__all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
+           "dense_schedule", "launch", "grouped_gemm_cute"]
+
+_KERNEL_SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(quant.E8M0_DTYPE))
+
+
+def kernel_weight_format(weight, scale) -> str | None:
+    """The ``quant.WeightFormat`` name the kernels read (``"fp4"``, ``"fp8"``, ``"bf16"``),
+    or None when they cannot read this weight (f32/f16 weights, f32 scales)."""
+    try:
+        fmt = quant.weight_format(weight, scale)
+    except (TypeError, ValueError):
+        return None
+    if fmt.name not in WEIGHT_FORMATS:
+        return None
+    if scale is not None and jnp.dtype(scale.dtype) not in _KERNEL_SCALE_DTYPES:
+        return None      # the kernels read E8M0 exponent bytes (f32 scales: the reference)
+    return fmt.name
+
+
+def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt: str,
+                   k_ins: tuple[int, ...], simulate: bool) -> GroupedGemmSm90Config:
+    """The kernel config of a call: ``choose_config`` under ``policy`` for ``rows`` rows in
+    ``groups`` groups, launches with input features ``k_ins``."""
+    policy = policy or GroupedGemmPolicy()
+    return choose_config(rows, groups, fmt, decode_algorithm=policy.decode_algorithm,
+                         prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
+                         k_ins=k_ins, split_k=policy.split_k)
+
+
+def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,
+                   groups: int, launches) -> tuple[bool, str]:
+    """``config.is_supported`` for every ``(gated, n_out, k_in)`` launch of a call."""
+    slots = num_tile_slots(rows, groups, config.block_n)
+    for gated, n_out, k_in in launches:
+        ok, why = config.is_supported(weight_format=fmt, gated=gated, n_out=n_out, k_in=k_in,
+                                      x_dtype=x_dtype, num_tiles=slots)
+        if not ok:
+            return False, why
+    return True, ""
+
+
+def support(rows: int, k: int, x_dtype: str, w, w_up=None, *, ragged: bool, simulate: bool,
+            policy: GroupedGemmPolicy | None) -> tuple[bool, str]:
+    """Whether ``grouped_gemm_cute`` runs these arguments: ``(ok, reason)``; no cutlass."""
+    mats = [w] if w_up is None else [w, w_up]
+    fmts = {kernel_weight_format(*m) for m in mats}
+    if None in fmts or len(fmts) != 1:
+        return False, "weights not all in one of the kernel formats fp4/fp8/bf16 (E8M0 scales)"
+    fmt = fmts.pop()
+    if rows == 0:
+        return False, "no rows"
+    groups, n = w[0].shape[0], w[0].shape[1]
+    config = resolve_config(policy, rows, groups, fmt, (k,), simulate)
+    if not ragged and num_tile_slots(rows, 1, config.block_n) != -(-rows // config.block_n):
+        return False, "a dense linear's tiles"           # never: a dense tile list is exact
+    return launch_support(config, fmt, x_dtype, rows, groups, [(w_up is not None, n, k)])
+
+
+def schedule(group_ids: jax.Array, groups: int, block_n: int):
+    """Sort rows by group and cut each group's rows into tiles of at most ``block_n``.
+
+    Returns ``order`` [M] (sorted position -> row), ``valid_sorted`` [M] (the sorted row has a
+    group in [0, G)), and per tile slot ``tile_group`` (-1 = unused), ``tile_row0`` (first
+    sorted row) and ``tile_rows`` -- int32 arrays of ``num_tile_slots`` entries.
+    """
+    rows = group_ids.shape[0]
+    valid = (group_ids >= 0) & (group_ids < groups)
+    key = jnp.where(valid, group_ids, groups).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    counts = jnp.bincount(key, length=groups + 1)[:groups].astype(jnp.int32)
+    offsets = jnp.cumsum(counts) - counts
+    tiles = (counts + block_n - 1) // block_n
+    tile_end = jnp.cumsum(tiles)
+    slot = jnp.arange(num_tile_slots(rows, groups, block_n), dtype=jnp.int32)
+    # compare_all: one fused comparison; the default scan method is a loop of small
+    # launches on GPU (docs/performance.md: the glue of the op at T = 1).
+    group = jnp.searchsorted(tile_end, slot, side="right", method="compare_all")
+    group = group.astype(jnp.int32)
+    used = group < groups
+    g = jnp.minimum(group, groups - 1)
+    local = slot - (tile_end[g] - tiles[g])
+    row0 = offsets[g] + local * block_n
+    count = jnp.minimum(block_n, counts[g] - local * block_n)
+    return (order, key[order] < groups, jnp.where(used, g, -1),
+            jnp.where(used, row0, 0).astype(jnp.int32),
+            jnp.where(used, count, 0).astype(jnp.int32))
+
+
+def dense_schedule(rows: int, block_n: int):
+    """The tiles of a dense linear (one group, rows in order), as constants: ``(tile_group,
+    tile_row0, tile_rows)`` int32 of ``ceil(rows / block_n)`` entries."""
+    row0 = np.arange(0, rows, block_n, dtype=np.int32)
+    return (jnp.zeros(row0.shape, jnp.int32), jnp.asarray(row0),
+            jnp.asarray(np.minimum(block_n, rows - row0).astype(np.int32)))
+
+
+def _as_bytes(weight, scale):
+    """Weight and scale operands as the kernel reads them (raw bytes; bf16 stays bf16)."""
+    if scale is None:
+        return weight, jnp.zeros((4,), jnp.uint8)
+    w = weight if weight.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(weight,
+                                                                              jnp.uint8)
+    return w, jax.lax.bitcast_convert_type(scale, jnp.uint8)
+
+
+def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=None,
+           swiglu_limit: float = 0.0, x_scale=None,
+           config: GroupedGemmSm90Config) -> jax.Array:
+    """One launch: sorted rows ``xs`` [M, K] bf16 times their groups' ``weight`` [G, N, .]
+    -> [M, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue).
+    ``tiles``: ``(tile_group, tile_row0, tile_rows)``; rows outside every tile are left
+    unwritten. FP8-activation algorithms: ``xs`` are e4m3 codes and ``x_scale`` [M, K / 128]
+    f32 their scales (``quant.act_quant``). A K split (``config.split_k`` > 1) adds the
+    kernel's f32 partial sums here, then rounds (and gates, with the kernel epilogue's
+    rounding points) in XLA."""
+    # Imported when a kernel is emitted, so that the reference path never loads cutlass;
+    # cute_call first: it pins CUTE_DSL_ARCH before cutlass is imported.
+    from .cute_call import cute_call
+    from dsv4_jax.kernels import grouped_gemm_sm90_launch as kernel
+
+    tile_group, tile_row0, tile_rows = tiles
+    fmt = kernel_weight_format(weight, scale)
+    gated = weight_b is not None
+    w_a, s_a = _as_bytes(weight, scale)
+    w_b, s_b = _as_bytes(weight_b, scale_b) if gated else (w_a, s_a)
+    rw = route_w.astype(jnp.float32) if gated else jnp.zeros((1,), jnp.float32)
+    fp8_x = config.algorithm in FP8_ACTIVATION_ALGORITHMS
+    if fp8_x != (x_scale is not None) or fp8_x != (xs.dtype == jnp.float8_e4m3fn):
+        raise ValueError(f"grouped_gemm launch: algorithm {config.algorithm!r} with xs "
+                         f"{xs.dtype} and x_scale {None if x_scale is None else x_scale.shape}"
+                         f" (e4m3 codes + scales for {FP8_ACTIVATION_ALGORITHMS} only)")
+    if fp8_x:
+        xs = jax.lax.bitcast_convert_type(xs, jnp.uint8)
+        x_scale = x_scale.astype(jnp.float32)
+    else:
+        x_scale = jnp.zeros((1,), jnp.float32)
+    n_out, split = weight.shape[1], config.split_k
+    out = (jax.ShapeDtypeStruct((xs.shape[0], n_out), jnp.bfloat16) if split == 1 else
+           jax.ShapeDtypeStruct((split, xs.shape[0], (2 if gated else 1) * n_out), jnp.float32))
+    (y,) = cute_call(kernel.grouped_gemm_launcher, (out,), xs, x_scale, tile_group, tile_row0,
+                     tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
+                     swiglu_limit=float(swiglu_limit) if gated else 0.0,
+                     block_n=config.block_n, num_stages=config.num_stages,
+                     algorithm=config.algorithm, split_k=split, ablation=config.ablation,
+                     scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K))
+    if split == 1:
+        return y
+    y = jnp.sum(y, axis=0)              # a fixed-order reduction: repeatable bit for bit
+    if not gated:
+        return y.astype(jnp.bfloat16)
+    gate, up = y[:, :n_out].astype(jnp.bfloat16), y[:, n_out:].astype(jnp.bfloat16)
+    return (rw[:, None] * swiglu(gate, up, swiglu_limit)).astype(jnp.bfloat16)
+
+
+def quantized_rows(x, rows, config: GroupedGemmSm90Config, simulate: bool):
+    """The kernel's operands for the rows ``x[rows]`` (``rows`` None: all, in order): e4m3
+    codes and their scales for the FP8-activation algorithms, else bf16 values (the FP8
+    simulation's exact products when ``simulate``). The quantisation is per row, so it runs
+    on ``x`` before the gather."""
+    take = (lambda a: a) if rows is None else (lambda a: a[rows])
+    if config.algorithm in FP8_ACTIVATION_ALGORITHMS:
+        codes, scales = quant.act_quant(x)
+        return take(codes), take(scales)
+    xq = quant.act_quant_dequant(x).astype(jnp.bfloat16) if simulate else x
+    return take(xq), None
+
+
+def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
+                      swiglu_limit: float = 0.0, simulate: bool = False,
+                      policy: GroupedGemmPolicy | None = None,
+                      config: GroupedGemmSm90Config | None = None):
+    """``grouped_gemm`` on the Hopper kernel (see the module docstring). ``config``: a kernel
+    variant for tests and benchmarks (its ablations), else ``resolve_config(policy)``'s."""
+    rows, k = x.shape
+    groups = w[0].shape[0]
+    fmt = kernel_weight_format(*w)
+    config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate)
+    gated = w_up is not None
+    if group_ids is None:
+        order = valid_sorted = None
+        tiles = dense_schedule(rows, config.block_n)
+    else:
+        order, valid_sorted, *tiles = schedule(group_ids, groups, config.block_n)
+    rw = None
+    if gated:
+        rw = (jnp.ones((rows,), jnp.float32) if row_weights is None
+              else row_weights.astype(jnp.float32))
+        rw = rw if order is None else jnp.where(valid_sorted, rw[order], 0.0)
+    xs, x_scale = quantized_rows(x, order, config, simulate)
+    ys = launch(xs, tiles, *w, weight_b=None if not gated else w_up[0],
+                scale_b=None if not gated else w_up[1], route_w=rw,
+                swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
+    if order is None:
+        return ys.astype(x.dtype)
+    ys = jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+    return jnp.zeros_like(ys).at[order].set(ys).astype(x.dtype)

@@ -1,0 +1,96 @@
+"""The routed experts on Hopper: two launches of the grouped GEMM (``grouped_gemm_sm90``) on
+the assignment rows sorted once by expert.
+
+``moe_expert_rows_cute`` computes what the reference computes for assignment rows:
+
+1. the schedule (``grouped_gemm_sm90.schedule``): rows sorted by expert, dropped ids last;
+2. the FP8 1 x 128 simulation (when asked) on the source rows -- the T tokens for
+   ``moe_experts``: quantisation is per row, so it commutes with the gather -- and the sorted
+   rows gathered from them; launch 1: ``h = bf16(w_r * swiglu(bf16(x w1^T), bf16(x w3^T)))``,
+   both matrices and the SwiGLU in one kernel;
+3. h quantised the same way when simulating; launch 2: ``y = bf16(h w2^T)``;
+4. ``moe_experts``: sorted rows summed into their tokens in f32; ``moe_expert_rows``: rows
+   scattered back to assignment order (dropped rows are zero).
+
+Rows in no tile are never written by the kernel: step 4 masks them with the validity. One
+kernel config (``grouped_gemm_sm90.resolve_config``) serves the support check and both
+launches.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from dsv4_jax.kernels.grouped_gemm_config import GroupedGemmSm90Config
+from . import grouped_gemm_sm90 as gemm
+from .moe_reference import sum_rows_per_token
+from .policy import GroupedGemmPolicy
+
+__all__ = ["moe_config", "moe_support", "moe_expert_rows_cute", "moe_experts_cute"]
+
+
+def moe_config(rows: int, w1, w2, *, simulate: bool,
+               policy: GroupedGemmPolicy | None) -> GroupedGemmSm90Config | None:
+    """The kernel config of both launches for ``rows`` assignment rows (None: the weights
+    are in no kernel format)."""
+    fmt = gemm.kernel_weight_format(*w1)
+    if fmt is None:
+        return None
+    d, inter = w2[0].shape[1], w1[0].shape[1]
+    return gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter), simulate)
+
+
+def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
+                policy: GroupedGemmPolicy | None) -> tuple[bool, str]:
+    """Whether the two launches run these arguments: ``(ok, reason)``; imports no cutlass."""
+    fmts = {gemm.kernel_weight_format(*w) for w in (w1, w3, w2)}
+    if None in fmts or len(fmts) != 1:
+        return False, "expert weights not all in one of the formats fp4/fp8/bf16"
+    if rows == 0:
+        return False, "no rows"
+    config = moe_config(rows, w1, w2, simulate=simulate, policy=policy)
+    d, inter = w2[0].shape[1], w1[0].shape[1]
+    return gemm.launch_support(config, fmts.pop(), x_dtype, rows, w1[0].shape[0],
+                               [(True, inter, d), (False, d, inter)])
+
+
+def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, policy,
+                 config):
+    """Both launches on assignment rows sorted by expert; row ``a`` reads ``x[source_row[a]]``
+    (``source_row`` None: ``x[a]``). Returns ``order`` and the sorted rows' outputs
+    ``[A, d]`` bf16 (rows of dropped ids are zero)."""
+    config = config or moe_config(ea.shape[0], w1, w2, simulate=simulate, policy=policy)
+    order, valid_sorted, *tiles = gemm.schedule(ea, w1[0].shape[0], config.block_n)
+    rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
+    rows = order if source_row is None else source_row[order]
+    xs, x_scale = gemm.quantized_rows(x, rows, config, simulate)
+    h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
+                    swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
+    hs, h_scale = gemm.quantized_rows(h, None, config, simulate)
+    ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=config)
+    return order, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+
+
+def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulate: bool,
+                         policy: GroupedGemmPolicy | None = None,
+                         config: GroupedGemmSm90Config | None = None):
+    """``moe_expert_rows`` on the Hopper kernel (see the module docstring); rows whose expert
+    id is outside [0, E) give zeros. ``simulate``: FP8 activation quantisation (quantised
+    weights with the simulation on). ``config``: a kernel variant for tests and benchmarks,
+    else ``moe_config`` under ``policy``."""
+    order, ys = _sorted_rows(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
+                             simulate=simulate, policy=policy, config=config)
+    return jnp.zeros_like(ys).at[order].set(ys).astype(xa.dtype)
+
+
+def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
+                     simulate: bool, policy: GroupedGemmPolicy | None = None,
+                     config: GroupedGemmSm90Config | None = None):
+    """``moe_experts`` on the Hopper kernel: as ``moe_expert_rows_cute`` on the T k
+    assignments, but the FP8 simulation runs on the T token rows, the sorted rows gather
+    their token directly and each token gathers and sums its rows (f32, deterministic)."""
+    t, k = route_idx.shape
+    token = jnp.arange(t * k, dtype=jnp.int32) // k
+    order, ys = _sorted_rows(x, token, route_idx.reshape(-1), route_w.reshape(-1), w1, w3, w2,
+                             swiglu_limit=swiglu_limit, simulate=simulate, policy=policy,
+                             config=config)
+    return sum_rows_per_token(ys, order, t, k)

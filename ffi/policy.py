@@ -1,0 +1,163 @@
+"""Kernel policy as a value: which implementation each op runs and how its kernels run.
+
+``KernelPolicy`` is frozen and hashable; ``DSV4(cfg, implementation=policy)`` carries it to
+every op call of the model, and each op takes its own part (``implementation=``,
+``policy=``). Nothing below reads the environment while a function is traced: the
+environment variables are parsed in one place, ``KernelPolicy.from_environment``, which the
+entry points call (the command line, ``dsv4_jax.load``, the benchmarks).
+
+Environment variables (all optional):
+
+* ``DSV4_IMPLEMENTATION``: ``xla`` / ``cute`` for every op, or ``op=impl`` pairs
+  (``sparse_attention=xla,moe_experts=cute``); op names are the registered ops' names
+  (``dsv4_jax.ffi.registry.op_names()``).
+* ``DSV4_MOE_ALGORITHM``, ``DSV4_MOE_PREFILL_ALGORITHM``, ``DSV4_MOE_SPLIT_K``: the grouped
+  GEMM's decode algorithm, prefill algorithm and K split (``GroupedGemmPolicy``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
+                                                  DEFAULT_PREFILL_ALGORITHM,
+                                                  MAX_SPLIT_K, PREFILL_ALGORITHMS)
+from .registry import KERNEL, REFERENCE, check_implementation, op_spec
+
+IMPLEMENTATION_ENV_VAR = "DSV4_IMPLEMENTATION"
+ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
+PREFILL_ALGORITHM_ENV_VAR = "DSV4_MOE_PREFILL_ALGORITHM"
+SPLIT_K_ENV_VAR = "DSV4_MOE_SPLIT_K"
+_OFF = ("", "auto", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmPolicy:
+    """How the grouped-GEMM kernels run (the routed experts and, through the same op, the
+    dense linears). ``kernels.grouped_gemm_config.choose_config`` resolves it once per call
+    into the one kernel config that the support check and the launch both use.
+
+    decode_algorithm: kernel for decode-size inputs (few rows per group): ``"mma_fp8"``
+      (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
+      simulation -- ``"mma_sync"`` runs), ``"mma_sync"``, ``"wgmma"`` or ``"wgmma_fp8"``.
+    prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"`` or ``"wgmma_fp8"``.
+    split_k: K split of the decode kernels for at most two tiles of rows (1: none).
+    """
+    decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
+    prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
+    split_k: int = 1
+
+    def __post_init__(self):
+        for name, value, valid in (("decode_algorithm", self.decode_algorithm, ALGORITHMS),
+                                   ("prefill_algorithm", self.prefill_algorithm,
+                                    PREFILL_ALGORITHMS)):
+            if value not in valid:
+                raise ValueError(f"GroupedGemmPolicy: {name} must be one of {valid}, got "
+                                 f"{value!r}")
+        if (isinstance(self.split_k, bool) or not isinstance(self.split_k, int)
+                or not 1 <= self.split_k <= MAX_SPLIT_K):
+            raise ValueError(f"GroupedGemmPolicy: split_k must be an integer in "
+                             f"[1, {MAX_SPLIT_K}], got {self.split_k!r}")
+
+
+def _implementation_items(value) -> tuple[tuple[str, str], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple(sorted((str(op), impl) for op, impl in items))
+    except (TypeError, ValueError):
+        raise TypeError(f"KernelPolicy: ops must map op names to implementations, got "
+                        f"{value!r}") from None
+    for op, impl in pairs:
+        op_spec(op)                               # unknown op: ValueError with the valid ones
+        check_implementation(op, impl)
+        if impl is None:
+            raise ValueError(f"KernelPolicy: ops[{op!r}] must be an implementation name; "
+                             f"leave the op out for the default")
+    return pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPolicy:
+    """Which implementation every op runs, and how its kernels are configured.
+
+    implementation: the default of every op: ``"cute"`` (the kernel; raises where it cannot
+      run), ``"xla"`` (the reference) or None (the kernel where it runs, else the reference).
+    ops: per-op implementations overriding the default, ``{"sparse_attention": "xla"}``
+      (a mapping or pairs; stored as sorted pairs so the value stays hashable).
+    grouped_gemm: the grouped GEMM's ``GroupedGemmPolicy``.
+    """
+    implementation: str | None = None
+    ops: tuple[tuple[str, str], ...] = ()
+    grouped_gemm: GroupedGemmPolicy = GroupedGemmPolicy()
+
+    def __post_init__(self):
+        if self.implementation not in (None, REFERENCE, KERNEL):
+            raise ValueError(f"KernelPolicy: implementation must be {REFERENCE!r}, "
+                             f"{KERNEL!r} or None, got {self.implementation!r}")
+        object.__setattr__(self, "ops", _implementation_items(self.ops))
+        if not isinstance(self.grouped_gemm, GroupedGemmPolicy):
+            raise TypeError(f"KernelPolicy: grouped_gemm must be a GroupedGemmPolicy, got "
+                            f"{type(self.grouped_gemm).__name__}")
+
+    def implementation_for(self, op: str) -> str | None:
+        """The implementation ``op`` runs under this policy (``ops`` first, then the default)."""
+        op_spec(op)
+        return dict(self.ops).get(op, self.implementation)
+
+    @classmethod
+    def coerce(cls, value) -> "KernelPolicy":
+        """A ``KernelPolicy`` from what ``DSV4(implementation=...)`` accepts: None, ``"xla"``,
+        ``"cute"``, a mapping of op names to implementations, or a ``KernelPolicy``."""
+        if isinstance(value, KernelPolicy):
+            return value
+        if value is None or isinstance(value, str):
+            return cls(implementation=value)
+        if isinstance(value, Mapping):
+            return cls(ops=value)
+        raise TypeError(f"implementation must be None, 'xla', 'cute', a mapping of op names "
+                        f"to those, or a KernelPolicy; got {type(value).__name__}")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> "KernelPolicy":
+        """The policy the environment variables describe (see the module docstring); every
+        bad value raises one ``ValueError`` naming the variable and the valid values."""
+        env = os.environ if environ is None else environ
+        default, ops = None, {}
+        raw = env.get(IMPLEMENTATION_ENV_VAR, "").strip()
+        if raw not in _OFF:
+            for item in raw.split(","):
+                name, sep, impl = (part.strip() for part in item.partition("="))
+                if not sep:
+                    name, impl = None, name
+                try:
+                    if name is None:
+                        if impl not in (REFERENCE, KERNEL):
+                            raise ValueError(f"the value {impl!r} must be {REFERENCE!r}, "
+                                             f"{KERNEL!r} or op=impl pairs")
+                        default = impl if default is None else default
+                    else:
+                        op_spec(name)
+                        check_implementation(name, impl)
+                        ops[name] = impl
+                except ValueError as e:
+                    raise ValueError(f"{IMPLEMENTATION_ENV_VAR}={raw!r}: {e}") from None
+        gemm = {}
+        for var, field in ((ALGORITHM_ENV_VAR, "decode_algorithm"),
+                           (PREFILL_ALGORITHM_ENV_VAR, "prefill_algorithm")):
+            value = env.get(var, "").strip()
+            if value:
+                valid = ALGORITHMS if field == "decode_algorithm" else PREFILL_ALGORITHMS
+                if value not in valid:
+                    raise ValueError(f"{var}={value!r}: must be one of {valid}")
+                gemm[field] = value
+        split = env.get(SPLIT_K_ENV_VAR, "").strip()
+        if split:
+            if not split.isdigit() or not 1 <= int(split) <= MAX_SPLIT_K:
+                raise ValueError(f"{SPLIT_K_ENV_VAR}={split!r}: must be an integer in "
+                                 f"[1, {MAX_SPLIT_K}]")
+            gemm["split_k"] = int(split)
+        return cls(implementation=default, ops=ops, grouped_gemm=GroupedGemmPolicy(**gemm))
+
+
+DEFAULT_POLICY = KernelPolicy()

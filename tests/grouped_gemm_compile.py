@@ -1,0 +1,53 @@
+"""Shared by the grouped-GEMM kernel tests: compiling a kernel configuration for sm_90a the way
+``cutlass_call`` does on the device, and the PTX ``prmt`` instruction replayed in Python."""
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from dsv4_jax.kernels import grouped_gemm_config as support
+from dsv4_jax.kernels import grouped_gemm_sm90_launch as kernel
+
+
+def prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte s & 7 of {b, a},
+    or the replicated sign bit of that byte when s & 8."""
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        s = (selector >> (4 * i)) & 0xF
+        byte = pool[s & 7]
+        if s & 8:
+            byte = 0xFF if byte & 0x80 else 0x00
+        out |= byte << (8 * i)
+    return out
+
+
+def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
+    """Compile as ``cutlass_call`` does on the device: every extent a runtime value (only the
+    divisibilities the JAX side guarantees are known), the launcher's static arguments."""
+    def fake(dtype, shape):
+        return make_fake_compact_tensor(dtype, shape, assumed_align=16)
+
+    def dyn(extent):
+        div = next(d for d in (16, 8, 4, 2, 1) if extent % d == 0)
+        return cute.sym_int(divisibility=div)
+    u8, bf16, i32 = cutlass.Uint8, cutlass.BFloat16, cutlass.Int32
+    a_, k_, n_, e_ = dyn(a), dyn(k), dyn(n), dyn(e)
+    weights = {"fp4": (fake(u8, (e_, n_, dyn(k // 2))), fake(u8, (e_, n_, dyn(k // 32)))),
+               "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
+               "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
+    slots = dyn(support.num_tile_slots(a, e, config.block_n))
+    fp8_x = config.algorithm in support.FP8_ACTIVATION_ALGORITHMS   # e4m3 codes + f32 scales
+    x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
+    x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
+    # A K split writes f32 partial sums [split, rows, mats * N].
+    out = (fake(bf16, (a_, n_)) if config.split_k == 1 else
+           fake(cutlass.Float32, (config.split_k, a_, dyn((2 if gated else 1) * n))))
+    return cute.compile(kernel.grouped_gemm_launcher, make_fake_stream(), x, x_scale,
+                        fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
+                        *weights, *weights, fake(cutlass.Float32, (a_,)), out,
+                        weight_format=fmt, gated=gated, swiglu_limit=10.0,
+                        block_n=config.block_n, num_stages=config.num_stages,
+                        algorithm=config.algorithm, ablation=config.ablation,
+                        scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
+                        split_k=config.split_k)
