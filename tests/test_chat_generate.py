@@ -90,19 +90,19 @@ TOOL_MESSAGE = {"role": "assistant", "reasoning_content": "", "content": "Checki
 
 
 def fake_decoding(monkeypatch, completions, reasons, tok=ByteTokenizer(CFG.vocab_size)):
-    """Stands in for the decoding under ``generate``/``stream``: records the prompts and
-    keyword arguments it gets, returns ``completions`` as token ids (+ the stop token where
-    the reason is "stop", as the decoding does)."""
+    """Stands in for the decoding under ``generate``/``stream``: records the prompts, the
+    tokenizer and the stop tokens it gets, returns ``completions`` as token ids (+ the stop
+    token where the reason is "stop", as the decoding does)."""
     seen = []
     rows = [tok.encode(c, add_bos=False) for c in completions]
 
-    def run(model, params, prompts, max_new_tokens, sampler, **kw):
-        seen.append((prompts, kw))
+    def run(model, params, prompts, options, *, tokenizer):
+        seen.append((prompts, dict(tokenizer=tokenizer, stop_tokens=options.stop_tokens)))
         return GenerationResult(rows, list(reasons), [tok.decode(t) for t in rows])
 
-    def run_stream(model, params, prompts, max_new_tokens, sampler, **kw):
-        seen.append((prompts, kw))
-        full = [r + ([kw["stop_tokens"][0]] if why == "stop" else [])
+    def run_stream(model, params, prompts, options, *, tokenizer):
+        seen.append((prompts, dict(tokenizer=tokenizer, stop_tokens=options.stop_tokens)))
+        full = [r + ([options.stop_tokens[0]] if why == "stop" else [])
                 for r, why in zip(rows, reasons)]
         for k in range(max(map(len, full))):
             tokens = np.array([r[k] if k < len(r) else -1 for r in full])
