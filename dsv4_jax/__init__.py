@@ -33,6 +33,8 @@ _EXPORTS = {
     "MinP": (".sampling", "MinP"),
     "generate": (".generation", "generate"),
     "stream": (".generation", "stream"),
+    "GenerationOptions": (".generation_options", "GenerationOptions"),
+    "ChatOptions": (".generation_options", "ChatOptions"),
     "encode_chat": (".chat", "encode_chat"),
     "parse_completion": (".chat", "parse_completion"),
     "load": ("dsv4_jax.checkpoints", "load"),
@@ -40,8 +42,9 @@ _EXPORTS = {
 }
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
-           "param_count", "generate", "stream", "Greedy", "Temperature", "TopK", "TopP", "MinP",
-           "sampling", "introspect", "encode_chat", "parse_completion"]
+           "param_count", "generate", "stream", "GenerationOptions", "ChatOptions", "Greedy",
+           "Temperature", "TopK", "TopP", "MinP", "sampling", "introspect", "encode_chat",
+           "parse_completion"]
 
 
 def __getattr__(name):
