@@ -153,6 +153,23 @@ def test_chat_options_reach_the_encoding(tiny, monkeypatch, chat_tokenizer):
     assert len(got.tokens[0]) < len(completion.encode()) - 50
 
 
+def test_chat_options_value_encodes_as_the_keywords(tiny, monkeypatch, chat_tokenizer):
+    model, params = tiny
+    seen = fake_decoding(monkeypatch, ["r</think>fine"], ["stop"], chat_tokenizer)
+    chat = dict(tools=[WEATHER_TOOL], thinking=True, drop_thinking=False,
+                reasoning_effort="max")
+    value = dj.ChatOptions(**chat)
+    want = generate(model, params, CONVERSATIONS[1], 6, tokenizer=chat_tokenizer, **chat)
+    got = generate(model, params, CONVERSATIONS[1], tokenizer=chat_tokenizer,
+                   options=dj.GenerationOptions(max_new_tokens=6), chat_options=value)
+    events = list(stream(model, params, CONVERSATIONS[1], 6, tokenizer=chat_tokenizer,
+                         chat_options=value))
+    assert seen[0] == seen[1] == seen[2]
+    assert seen[0][0] == [encode_chat(CONVERSATIONS[1], **chat)]
+    assert got.messages == want.messages == events[-1].messages
+    assert got.messages[0]["reasoning_content"] == "r"
+
+
 def test_chat_bad_input(tiny, tmp_path):
     model, params = tiny
     with pytest.raises(ValueError, match=r"conversation 1: encode_chat: message 0: unknown role"):
