@@ -8,9 +8,10 @@ prompts in chat mode (``encode_chat``'s ``tools``, ``thinking``, ``drop_thinking
 values once (``call_options``, ``call_chat_options``); everything below them -- the decoding
 driver, chat mode, the command line -- takes the values.
 
-Two values rather than one: every field of ``GenerationOptions`` is hashable, so the value
-can key what is compiled for it, while chat tools are JSON schemas (dicts); and only chat
-mode (chat_decoding.py) reads the chat options, only the decoding the others.
+Two values rather than one: every field of ``GenerationOptions`` is hashable (the value can
+be a cache key or a static argument of ``jax.jit``), while chat tools are JSON schemas
+(dicts); and only chat mode (chat_decoding.py) reads the chat options, only the decoding the
+others.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import numpy as np
 from .chat import REASONING_EFFORTS
 from .sampling import Greedy, Sampler
 
-__all__ = ["GenerationOptions", "ChatOptions", "call_options", "call_chat_options"]
+__all__ = ["GenerationOptions", "ChatOptions", "call_options", "call_chat_options",
+           "CALL_DEFAULTS", "CHAT_CALL_DEFAULTS"]
 
 _SEED_RANGE = (-2 ** 63, 2 ** 63)           # what jax.random.key accepts (a C long)
 
