@@ -33,6 +33,8 @@ _EXPORTS = {
     "MinP": (".sampling", "MinP"),
     "generate": (".generation", "generate"),
     "stream": (".generation", "stream"),
+    "GenerationOptions": (".generation_options", "GenerationOptions"),
+    "ChatOptions": (".generation_options", "ChatOptions"),
     "encode_chat": (".chat", "encode_chat"),
     "parse_completion": (".chat", "parse_completion"),
     "load": ("dsv4_jax.checkpoints", "load"),
@@ -42,9 +44,9 @@ _EXPORTS = {
 }
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
-           "param_count", "generate", "stream", "Greedy", "Temperature", "TopK", "TopP", "MinP",
-           "sampling", "introspect", "encode_chat", "parse_completion", "KernelPolicy",
-           "GroupedGemmPolicy"]
+           "param_count", "generate", "stream", "GenerationOptions", "ChatOptions", "Greedy",
+           "Temperature", "TopK", "TopP", "MinP", "sampling", "introspect", "encode_chat",
+           "parse_completion", "KernelPolicy", "GroupedGemmPolicy"]
 
 
 def __getattr__(name):

@@ -1,8 +1,9 @@
 """What chat mode adds around decoding: conversations in, parsed assistant messages out.
 
-``generate``/``stream`` (generation.py) call this with ``chat=True`` (or ``tools``,
-``thinking``): each conversation is encoded with the DSV4 chat format (``chat.encode_chat``),
-rows stop at end-of-sentence, and each completion is parsed back (``chat.parse_completion``).
+``generate``/``stream`` (generation.py) call this in chat mode (``chat_options``, or
+``chat=True``, ``tools``, ``thinking``; see generation_options.py): each conversation is
+encoded with the DSV4 chat format (``chat.encode_chat``), rows stop at end-of-sentence, and
+each completion is parsed back (``chat.parse_completion``).
 A completion that cannot be parsed -- cut by ``max_new_tokens``, or malformed -- gives ``None``
 in ``messages`` and the reason in ``errors``, so one bad row does not lose the others.
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from .chat import EOS, encode_chat, parse_completion
 from .decoding import GenerationResult, StreamEvent
+from .generation_options import ChatOptions, GenerationOptions
 from .tokenizer import ByteTokenizer
 
 __all__ = ["ChatResult", "ChatBatch", "as_conversations", "chat_batch"]
@@ -62,10 +64,11 @@ def _parse(text: str, finish_reason: str, thinking: bool):
 @dataclasses.dataclass
 class ChatBatch:
     """Encoded conversations ready for decoding: ``prompts`` (text), the ``tokenizer`` to use
-    and ``stop_tokens`` (its end-of-sentence id); ``finish`` / ``stream`` read the results."""
+    and the ``options`` to decode them with (their ``stop_tokens``: its end-of-sentence id);
+    ``finish`` / ``stream`` read the results."""
     prompts: list
     tokenizer: object
-    stop_tokens: tuple
+    options: GenerationOptions
     thinking: bool
 
     def _texts(self, token_rows) -> list[str]:
@@ -81,7 +84,7 @@ class ChatBatch:
 
     def stream(self, events: Iterator[StreamEvent]) -> Iterator[StreamEvent]:
         """Pass ``events`` through; the last one also carries ``messages`` and ``errors``."""
-        stop = set(self.stop_tokens)
+        stop = set(self.options.stop_tokens)
         tokens = [[] for _ in self.prompts]
         reasons = ["length"] * len(self.prompts)
         for event in events:
@@ -98,12 +101,14 @@ class ChatBatch:
             yield event
 
 
-def chat_batch(model, conversations, tokenizer, *, stop_tokens, tools, thinking,
-               drop_thinking, reasoning_effort) -> ChatBatch:
-    """Encode ``conversations`` for ``model`` (see the module docstring). ``tokenizer``: a
-    ``tokenizer.json`` holding the chat tokens or, by default, the byte fallback. Raises
-    ValueError / TypeError naming the conversation (and the message) that is wrong."""
-    if stop_tokens is not None:
+def chat_batch(model, conversations, tokenizer, options: GenerationOptions,
+               chat: ChatOptions) -> ChatBatch:
+    """Encode ``conversations`` for ``model`` with the ``chat`` options (see the module
+    docstring); the batch's options are ``options`` with the end-of-sentence stop.
+    ``tokenizer``: a ``tokenizer.json`` holding the chat tokens or, by default, the byte
+    fallback. Raises ValueError / TypeError naming the conversation (and the message) that is
+    wrong."""
+    if options.stop_tokens is not None:
         raise ValueError("stop_tokens cannot be given with chat=True: a chat turn ends at "
                          "end-of-sentence, where its completion is parsed")
     if tokenizer is None:
@@ -113,9 +118,11 @@ def chat_batch(model, conversations, tokenizer, *, stop_tokens, tools, thinking,
     prompts = []
     for k, conversation in enumerate(as_conversations(conversations)):
         try:
-            prompts.append(encode_chat(conversation, thinking=thinking, tools=tools,
-                                       drop_thinking=drop_thinking,
-                                       reasoning_effort=reasoning_effort))
+            prompts.append(encode_chat(conversation, thinking=chat.thinking, tools=chat.tools,
+                                       drop_thinking=chat.drop_thinking,
+                                       reasoning_effort=chat.reasoning_effort))
         except (ValueError, TypeError) as e:
             raise type(e)(f"conversation {k}: {e}") from None
-    return ChatBatch(prompts, tokenizer, (tokenizer.eos_id,), thinking)
+    return ChatBatch(prompts, tokenizer,
+                     dataclasses.replace(options, stop_tokens=(tokenizer.eos_id,)),
+                     chat.thinking)

@@ -80,11 +80,19 @@ def read_inputs(args) -> tuple[list, list | None]:
     return (data if isinstance(data[0], list) else [data]), tools
 
 
+def build_chat_options(args, tools):
+    """The ``ChatOptions`` of the flags and the ``tools`` read from ``--tools``/``--messages``."""
+    from dsv4_jax.generation import ChatOptions
+    return ChatOptions(tools=tools, thinking=args.thinking,
+                       reasoning_effort=args.reasoning_effort)
+
+
 def main(args) -> int:
     try:
         cli_generate.check_arguments(args)
-        sampler = cli_generate.build_sampler(args)
+        options = cli_generate.build_options(args)
         conversations, tools = read_inputs(args)
+        chat_options = build_chat_options(args, tools)
         from dsv4_jax.compilation_cache import enable_compilation_cache
         enable_compilation_cache(args.compilation_cache)
         t0 = time.perf_counter()
@@ -94,19 +102,17 @@ def main(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from dsv4_jax.generation import generate, stream
-    kw = dict(chat=True, tools=tools, thinking=args.thinking,
-              reasoning_effort=args.reasoning_effort, tokenizer=tokenizer, seed=args.seed,
-              max_len=args.max_len, speculative=args.speculative)
+    kw = dict(tokenizer=tokenizer, options=options, chat_options=chat_options)
     print(f"model: {args.model or 'embedded tiny (random weights, seed 0)'} | "
           f"load {load_s:.1f}s | {len(conversations)} conversation(s)", file=sys.stderr)
     t0 = time.perf_counter()
     try:
         if args.stream:
             messages, errors, texts, n = _run_stream(
-                stream(model, params, conversations, args.max_new_tokens, sampler, **kw),
+                stream(model, params, conversations, **kw),
                 len(conversations), getattr(tokenizer, "eos_id", None))
         else:
-            result = generate(model, params, conversations, args.max_new_tokens, sampler, **kw)
+            result = generate(model, params, conversations, **kw)
             messages, errors, texts = result.messages, result.errors, result.text
             n = sum(len(t) for t in result.tokens)
     except (ValueError, TypeError) as e:

@@ -62,6 +62,15 @@ def build_sampler(args):
     return sampling.Temperature(t)
 
 
+def build_options(args):
+    """The ``GenerationOptions`` of the flags (``build_sampler``'s sampler); ValueError /
+    TypeError naming what is wrong."""
+    from dsv4_jax.generation import GenerationOptions
+    return GenerationOptions(max_new_tokens=args.max_new_tokens, sampler=build_sampler(args),
+                             stop_tokens=args.stop, seed=args.seed, logprobs=args.logprobs,
+                             max_len=args.max_len, speculative=args.speculative)
+
+
 def read_prompts(args) -> list[str]:
     """``--prompt``s then the lines of ``--prompts-file``; ValueError naming what is wrong."""
     prompts = list(args.prompt)
@@ -109,7 +118,7 @@ def load_model(path):
 def main(args) -> int:
     try:
         check_arguments(args)
-        sampler = build_sampler(args)
+        options = build_options(args)
         prompts = read_prompts(args)
         from dsv4_jax.compilation_cache import enable_compilation_cache
         enable_compilation_cache(args.compilation_cache)
@@ -121,23 +130,22 @@ def main(args) -> int:
         return 2
     import jax
     from dsv4_jax.generation import generate, stream
-    kw = dict(tokenizer=tokenizer, stop_tokens=args.stop, seed=args.seed, max_len=args.max_len,
-              logprobs=args.logprobs, speculative=args.speculative)
     print(f"model: {args.model or 'embedded tiny (random weights, seed 0)'} | device: "
           f"{jax.devices()[0].platform} | load {load_s:.1f}s", file=sys.stderr)
     try:
         if args.stream:
-            stop = set(args.stop if args.stop is not None else (model.config.eos_token_id,))
-            return _run_stream(stream(model, params, prompts, args.max_new_tokens, sampler, **kw),
-                               prompts, stop, args.logprobs)
-        result = generate(model, params, prompts, args.max_new_tokens, sampler, **kw)
+            stop = options.stop_tokens
+            stop = set(stop if stop is not None else (model.config.eos_token_id,))
+            return _run_stream(stream(model, params, prompts, tokenizer=tokenizer,
+                                      options=options), prompts, stop, options.logprobs)
+        result = generate(model, params, prompts, tokenizer=tokenizer, options=options)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for i, p in enumerate(prompts):
         print(f"[{i}] {p!r} -> {result.text[i]!r} ({result.finish_reasons[i]}, "
               f"{len(result.tokens[i])} tokens)")
-        if args.logprobs:
+        if options.logprobs:
             print(f"    logprobs: {[round(x, 3) for x in result.logprobs[i]]}")
     s = result.stats
     extra = (f" | acceptance {s['acceptance_rate']:.2f}" if "acceptance_rate" in s else "")

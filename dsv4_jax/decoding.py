@@ -25,6 +25,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from .generation_options import GenerationOptions
 from .tokenizer import ByteTokenizer
 
 __all__ = ["GenerationResult", "StreamEvent", "Method", "Programs", "Prepared", "bucket",
@@ -86,20 +87,18 @@ class Prepared:
     tokenizer: object
 
 
-def prepare_prompts(model, prompts, max_new_tokens, *, tokenizer=None, stop_tokens=None,
-                    max_len=None, extra_len: int = 0) -> Prepared:
-    """Validate and tokenize prompts; choose bucketed shapes. Raises ValueError/TypeError."""
+def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=None,
+                    extra_len: int = 0) -> Prepared:
+    """Validate and tokenize prompts, check ``options`` against the model (stop tokens in the
+    vocabulary, prompts + budget within ``max_len``); choose bucketed shapes. Raises
+    ValueError/TypeError."""
     cfg = model.config
+    max_new_tokens, max_len = options.max_new_tokens, options.max_len
     if isinstance(prompts, (str, bytes)) or (isinstance(prompts, Sequence) and prompts
                                             and isinstance(prompts[0], int)):
         prompts = [prompts]
     if not isinstance(prompts, Sequence) or len(prompts) == 0:
         raise ValueError("prompts must be a non-empty list of strings or of token-id lists")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if max_len is not None and (not isinstance(max_len, int) or isinstance(max_len, bool)
-                                or max_len <= 0):
-        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     if any(isinstance(p, str) for p in prompts) and tokenizer is None:
         tokenizer = ByteTokenizer(cfg.vocab_size)
     ids = []
@@ -113,9 +112,7 @@ def prepare_prompts(model, prompts, max_new_tokens, *, tokenizer=None, stop_toke
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {cfg.vocab_size})")
         ids.append(p)
-    if stop_tokens is None:
-        stop_tokens = (cfg.eos_token_id,)
-    stop_tokens = tuple(int(t) for t in stop_tokens)
+    stop_tokens = (cfg.eos_token_id,) if options.stop_tokens is None else options.stop_tokens
     bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ValueError(f"stop token {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")

@@ -7,7 +7,9 @@ drive the same programs (decoding.py), donate the cache, bucket shapes (prompt l
 budget) so new prompts of lengths in the same buckets reuse the compiled programs, and draw the
 same random numbers (``fold_in(key, step)``), so they produce the same tokens.
 ``speculative=True`` uses the MTP block (see speculative.py). ``chat=True`` takes
-conversations and returns parsed assistant messages (see chat_decoding.py).
+conversations and returns parsed assistant messages (see chat_decoding.py). The options of a
+call are one ``GenerationOptions`` value (and a ``ChatOptions`` one in chat mode, see
+generation_options.py), built once by ``generate``/``stream``; the functions below take it.
 """
 from __future__ import annotations
 
@@ -25,11 +27,13 @@ from .chat_decoding import ChatResult, chat_batch
 from .compilation_cache import enable_compilation_cache
 from .decoding import (GenerationResult, Method, Programs, StreamEvent, build_programs, finish,
                        prepare_prompts, timed, token_logprob)
+from .generation_options import (ChatOptions, GenerationOptions, call_chat_options,
+                                 call_options)
 from .sampling import Greedy, Sampler
 from .speculative import speculative_method
 
-__all__ = ["generate", "stream", "GenerationResult", "ChatResult", "StreamEvent",
-           "prepare_prompts"]
+__all__ = ["generate", "stream", "GenerationOptions", "ChatOptions", "GenerationResult",
+           "ChatResult", "StreamEvent", "prepare_prompts"]
 
 
 def plain_method(model, sampler: Sampler) -> Method:
@@ -61,34 +65,34 @@ def _programs(model, sampler: Sampler, speculative: bool) -> Programs:
     return build_programs(method)
 
 
-def _start(model, prompts, max_new_tokens, sampler, speculative, **kw):
+def _start(model, prompts, options: GenerationOptions, tokenizer):
     """Checks shared by generate and stream; the programs and the prepared prompts."""
-    if not isinstance(sampler, Sampler):
-        raise TypeError(f"sampler must be a dsv4_jax Sampler, got {type(sampler).__name__}")
-    if speculative and model.config.n_mtp_layers < 1:
+    if options.speculative and model.config.n_mtp_layers < 1:
         raise ValueError("speculative decoding needs an MTP block (config.n_mtp_layers >= 1)")
-    programs = _programs(model, sampler, bool(speculative))
-    prep = prepare_prompts(model, prompts, max_new_tokens,
-                           extra_len=programs.method.extra_len, **kw)
+    programs = _programs(model, options.sampler, options.speculative)
+    prep = prepare_prompts(model, prompts, options, tokenizer=tokenizer,
+                           extra_len=programs.method.extra_len)
     enable_compilation_cache()
     return programs, prep
 
 
-def _chat(model, prompts, tokenizer, stop_tokens, chat, tools, thinking, drop_thinking,
-          reasoning_effort):
-    """The ``ChatBatch`` of a chat call (``chat``, ``tools`` or ``thinking`` given), else None."""
-    if not (chat or tools is not None or thinking):
-        return None
-    return chat_batch(model, prompts, tokenizer, stop_tokens=stop_tokens, tools=tools,
-                      thinking=thinking, drop_thinking=drop_thinking,
-                      reasoning_effort=reasoning_effort)
+def _chat(model, prompts, tokenizer, options: GenerationOptions, chat: ChatOptions | None):
+    """``(prompts, tokenizer, options, batch)`` to decode: in chat mode (``chat`` given) the
+    encoded conversations, their tokenizer, the options with the end-of-sentence stop and the
+    ``ChatBatch`` that reads the results; otherwise the arguments as they are and None."""
+    if chat is None:
+        return prompts, tokenizer, options, None
+    batch = chat_batch(model, prompts, tokenizer, options, chat)
+    return batch.prompts, batch.tokenizer, batch.options, batch
 
 
-def generate(model, params, prompts, max_new_tokens: int, sampler: Sampler = Greedy(), *,
-             tokenizer=None, stop_tokens=None, seed: int = 0, logprobs: bool = False,
-             max_len: int | None = None, speculative: bool = False, chat: bool = False,
-             tools: list | None = None, thinking: bool = False, drop_thinking: bool = True,
-             reasoning_effort: str | None = None) -> GenerationResult:
+def generate(model, params, prompts, max_new_tokens: int | None = None,
+             sampler: Sampler = Greedy(), *, tokenizer=None, stop_tokens=None, seed: int = 0,
+             logprobs: bool = False, max_len: int | None = None, speculative: bool = False,
+             chat: bool = False, tools: list | None = None, thinking: bool = False,
+             drop_thinking: bool = True, reasoning_effort: str | None = None,
+             options: GenerationOptions | None = None,
+             chat_options: ChatOptions | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (strings or token-id lists).
 
     Rows stop at any of ``stop_tokens`` (default: the config's EOS) or at the budget. With a
@@ -104,22 +108,28 @@ def generate(model, params, prompts, max_new_tokens: int, sampler: Sampler = Gre
     ``ChatResult``, also has each parsed assistant message (``messages``, None where the
     completion does not parse) and why not (``errors``). ``tokenizer`` must then hold the
     chat tokens (the official ``tokenizer.json``), or be None for the byte fallback.
+
+    ``options``, a ``GenerationOptions``, holds ``max_new_tokens``, ``sampler``,
+    ``stop_tokens``, ``seed``, ``logprobs``, ``max_len`` and ``speculative`` in one value;
+    ``chat_options``, a ``ChatOptions`` (chat mode), holds ``tools``, ``thinking``,
+    ``drop_thinking`` and ``reasoning_effort``. Such an argument set beside its value raises
+    ValueError. Without ``options``, ``max_new_tokens`` is required.
     """
-    batch = _chat(model, prompts, tokenizer, stop_tokens, chat, tools, thinking, drop_thinking,
-                  reasoning_effort)
-    if batch is not None:
-        prompts, tokenizer, stop_tokens = batch.prompts, batch.tokenizer, batch.stop_tokens
-    result = _generate(model, params, prompts, max_new_tokens, sampler, tokenizer=tokenizer,
-                       stop_tokens=stop_tokens, seed=seed, logprobs=logprobs, max_len=max_len,
-                       speculative=speculative)
+    options = call_options(options, max_new_tokens=max_new_tokens, sampler=sampler,
+                           stop_tokens=stop_tokens, seed=seed, logprobs=logprobs,
+                           max_len=max_len, speculative=speculative)
+    chat_options = call_chat_options(chat_options, chat, tools=tools, thinking=thinking,
+                                     drop_thinking=drop_thinking,
+                                     reasoning_effort=reasoning_effort)
+    prompts, tokenizer, options, batch = _chat(model, prompts, tokenizer, options, chat_options)
+    result = _generate(model, params, prompts, options, tokenizer=tokenizer)
     return result if batch is None else batch.finish(result)
 
 
-def _generate(model, params, prompts, max_new_tokens, sampler, *, tokenizer, stop_tokens, seed,
-              logprobs, max_len, speculative) -> GenerationResult:
-    programs, prep = _start(model, prompts, max_new_tokens, sampler, speculative,
-                            tokenizer=tokenizer, stop_tokens=stop_tokens, max_len=max_len)
-    key = jax.random.key(seed)
+def _generate(model, params, prompts, options: GenerationOptions, *,
+              tokenizer) -> GenerationResult:
+    programs, prep = _start(model, prompts, options, tokenizer)
+    key = jax.random.key(options.seed)
     stop = jnp.asarray(prep.stop_tokens)
     started = time.perf_counter()
     with count_compilations() as compiled:
@@ -137,38 +147,41 @@ def _generate(model, params, prompts, max_new_tokens, sampler, *, tokenizer, sto
                  trace_s=compiled.trace_s, compilations=compiled.compilations,
                  cache_hits=compiled.cache_hits, generated_tokens=n_tokens,
                  tokens_per_s=n_tokens / max(run_s, 1e-9), **programs.method.summary(state))
-    return finish(prep, rows, np.asarray(lps), logprobs, stats)
+    return finish(prep, rows, np.asarray(lps), options.logprobs, stats)
 
 
-def stream(model, params, prompts, max_new_tokens: int, sampler: Sampler = Greedy(), *,
-           tokenizer=None, stop_tokens=None, seed: int = 0, logprobs: bool = False,
-           max_len: int | None = None, speculative: bool = False, chat: bool = False,
-           tools: list | None = None, thinking: bool = False, drop_thinking: bool = True,
-           reasoning_effort: str | None = None) -> Iterator[StreamEvent]:
-    """Like ``generate`` but yields a ``StreamEvent`` per new token position, for every row
-    at once, as soon as the step that made it has run. With ``speculative=True`` a step
-    yields one event per token it kept (the accepted draft and the token after it).
+def stream(model, params, prompts, max_new_tokens: int | None = None,
+           sampler: Sampler = Greedy(), *, tokenizer=None, stop_tokens=None, seed: int = 0,
+           logprobs: bool = False, max_len: int | None = None, speculative: bool = False,
+           chat: bool = False, tools: list | None = None, thinking: bool = False,
+           drop_thinking: bool = True, reasoning_effort: str | None = None,
+           options: GenerationOptions | None = None,
+           chat_options: ChatOptions | None = None) -> Iterator[StreamEvent]:
+    """Like ``generate`` (the same arguments) but yields a ``StreamEvent`` per new token
+    position, for every row at once, as soon as the step that made it has run. With
+    ``speculative=True`` a step yields one event per token it kept (the accepted draft and
+    the token after it).
 
     Concatenating each row's tokens >= 0 gives ``generate``'s tokens (with its stop token);
     ``text`` pieces are decoded from the whole row so far, holding back an incomplete
     UTF-8 sequence until it completes. In chat mode (see ``generate``) the last event also
-    carries the parsed ``messages`` and ``errors``; bad conversations raise at the call,
-    before any generation."""
-    batch = _chat(model, prompts, tokenizer, stop_tokens, chat, tools, thinking, drop_thinking,
-                  reasoning_effort)
-    if batch is not None:
-        prompts, tokenizer, stop_tokens = batch.prompts, batch.tokenizer, batch.stop_tokens
-    events = _stream(model, params, prompts, max_new_tokens, sampler, tokenizer=tokenizer,
-                     stop_tokens=stop_tokens, seed=seed, logprobs=logprobs, max_len=max_len,
-                     speculative=speculative)
+    carries the parsed ``messages`` and ``errors``; bad options and bad conversations raise
+    at the call, before any generation."""
+    options = call_options(options, max_new_tokens=max_new_tokens, sampler=sampler,
+                           stop_tokens=stop_tokens, seed=seed, logprobs=logprobs,
+                           max_len=max_len, speculative=speculative)
+    chat_options = call_chat_options(chat_options, chat, tools=tools, thinking=thinking,
+                                     drop_thinking=drop_thinking,
+                                     reasoning_effort=reasoning_effort)
+    prompts, tokenizer, options, batch = _chat(model, prompts, tokenizer, options, chat_options)
+    events = _stream(model, params, prompts, options, tokenizer=tokenizer)
     return events if batch is None else batch.stream(events)
 
 
-def _stream(model, params, prompts, max_new_tokens, sampler, *, tokenizer, stop_tokens, seed,
-            logprobs, max_len, speculative) -> Iterator[StreamEvent]:
-    programs, prep = _start(model, prompts, max_new_tokens, sampler, speculative,
-                            tokenizer=tokenizer, stop_tokens=stop_tokens, max_len=max_len)
-    key = jax.random.key(seed)
+def _stream(model, params, prompts, options: GenerationOptions, *,
+            tokenizer) -> Iterator[StreamEvent]:
+    programs, prep = _start(model, prompts, options, tokenizer)
+    key = jax.random.key(options.seed)
     stop = jnp.asarray(prep.stop_tokens)
     budget = jnp.int32(prep.budget)
     text = _IncrementalText(prep.tokenizer, len(prep.lengths), set(prep.stop_tokens.tolist()))
@@ -184,7 +197,7 @@ def _stream(model, params, prompts, max_new_tokens, sampler, *, tokenizer, stop_
                 break
             later = (tokens[:, k + 1:] >= 0).any(axis=1)
             yield StreamEvent(position, tokens[:, k], now_done & ~later,
-                              lps[:, k] if logprobs else None,
+                              lps[:, k] if options.logprobs else None,
                               text.add(tokens[:, k], now_done & ~later))
             position += 1
         if now_done.all():

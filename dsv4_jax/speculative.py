@@ -1,4 +1,5 @@
-"""MTP speculative decoding (spec §2.7): draft one token with the MTP block, verify two.
+"""MTP speculative decoding: draft one token with the MTP block (docs/architecture.md §3.9),
+verify two with the main model.
 
 Invariant at each step, per row: the main cache holds x_0..x_{L-1}; x_L is sampled but not
 consumed; the MTP cache holds the pairs (h_i, x_{i+1}) for i < L and has drafted d for x_{L+1}

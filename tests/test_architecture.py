@@ -25,8 +25,9 @@ LAYERS = (
     ("parameters", ("dsv4_jax.params", "dsv4_jax.sharding", "dsv4_jax.plan")),
     ("checkpoints", ("dsv4_jax.checkpoints", "dsv4_jax.checkpoints.")),
     ("generation", ("dsv4_jax._monitor", "dsv4_jax.compilation_cache", "dsv4_jax.sampling",
-                    "dsv4_jax.chat", "dsv4_jax.tokenizer", "dsv4_jax.decoding",
-                    "dsv4_jax.chat_decoding", "dsv4_jax.generation", "dsv4_jax.speculative", "dsv4_jax.introspect")),
+                    "dsv4_jax.chat", "dsv4_jax.tokenizer", "dsv4_jax.generation_options",
+                    "dsv4_jax.decoding", "dsv4_jax.chat_decoding", "dsv4_jax.generation",
+                    "dsv4_jax.speculative", "dsv4_jax.introspect")),
     ("public API", ("dsv4_jax",)),
     ("CLI", ("dsv4_jax.cli_generate", "dsv4_jax.cli_chat", "dsv4_jax.__main__")),
 )

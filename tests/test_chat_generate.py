@@ -90,19 +90,19 @@ TOOL_MESSAGE = {"role": "assistant", "reasoning_content": "", "content": "Checki
 
 
 def fake_decoding(monkeypatch, completions, reasons, tok=ByteTokenizer(CFG.vocab_size)):
-    """Stands in for the decoding under ``generate``/``stream``: records the prompts and
-    keyword arguments it gets, returns ``completions`` as token ids (+ the stop token where
-    the reason is "stop", as the decoding does)."""
+    """Stands in for the decoding under ``generate``/``stream``: records the prompts, the
+    tokenizer and the stop tokens it gets, returns ``completions`` as token ids (+ the stop
+    token where the reason is "stop", as the decoding does)."""
     seen = []
     rows = [tok.encode(c, add_bos=False) for c in completions]
 
-    def run(model, params, prompts, max_new_tokens, sampler, **kw):
-        seen.append((prompts, kw))
+    def run(model, params, prompts, options, *, tokenizer):
+        seen.append((prompts, dict(tokenizer=tokenizer, stop_tokens=options.stop_tokens)))
         return GenerationResult(rows, list(reasons), [tok.decode(t) for t in rows])
 
-    def run_stream(model, params, prompts, max_new_tokens, sampler, **kw):
-        seen.append((prompts, kw))
-        full = [r + ([kw["stop_tokens"][0]] if why == "stop" else [])
+    def run_stream(model, params, prompts, options, *, tokenizer):
+        seen.append((prompts, dict(tokenizer=tokenizer, stop_tokens=options.stop_tokens)))
+        full = [r + ([options.stop_tokens[0]] if why == "stop" else [])
                 for r, why in zip(rows, reasons)]
         for k in range(max(map(len, full))):
             tokens = np.array([r[k] if k < len(r) else -1 for r in full])
@@ -151,6 +151,23 @@ def test_chat_options_reach_the_encoding(tiny, monkeypatch, chat_tokenizer):
     assert got.text == [completion]
     # DSML tags are single tokens here, as in the official tokenizer.json
     assert len(got.tokens[0]) < len(completion.encode()) - 50
+
+
+def test_chat_options_value_encodes_as_the_keywords(tiny, monkeypatch, chat_tokenizer):
+    model, params = tiny
+    seen = fake_decoding(monkeypatch, ["r</think>fine"], ["stop"], chat_tokenizer)
+    chat = dict(tools=[WEATHER_TOOL], thinking=True, drop_thinking=False,
+                reasoning_effort="max")
+    value = dj.ChatOptions(**chat)
+    want = generate(model, params, CONVERSATIONS[1], 6, tokenizer=chat_tokenizer, **chat)
+    got = generate(model, params, CONVERSATIONS[1], tokenizer=chat_tokenizer,
+                   options=dj.GenerationOptions(max_new_tokens=6), chat_options=value)
+    events = list(stream(model, params, CONVERSATIONS[1], 6, tokenizer=chat_tokenizer,
+                         chat_options=value))
+    assert seen[0] == seen[1] == seen[2]
+    assert seen[0][0] == [encode_chat(CONVERSATIONS[1], **chat)]
+    assert got.messages == want.messages == events[-1].messages
+    assert got.messages[0]["reasoning_content"] == "r"
 
 
 def test_chat_bad_input(tiny, tmp_path):

@@ -1,6 +1,8 @@
 """The command line as a new user meets it: --help without JAX, the persistent compilation
-cache, arguments checked before the model loads, --chat (JSON messages), streaming several rows, logprobs
-and speculative decoding while streaming, escaped terminal output."""
+cache, arguments checked before the model loads (and the options they make), --chat (JSON
+messages), streaming several rows, logprobs and speculative decoding while streaming, escaped
+terminal output."""
+import argparse
 import io
 import os
 import subprocess
@@ -9,9 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from dsv4_jax import cli_generate, compilation_cache
+from dsv4_jax import cli_chat, cli_generate, compilation_cache
 from dsv4_jax.__main__ import main
 from dsv4_jax.decoding import StreamEvent
+from dsv4_jax.generation_options import ChatOptions, GenerationOptions
+from dsv4_jax.sampling import TopK
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,6 +81,25 @@ def test_bad_arguments_are_rejected_before_the_model_loads(no_model_load, capsys
     assert main(["generate", "--prompt", "x", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_options_of_the_flags(no_model_load, capsys):
+    """The flags become one GenerationOptions (and ChatOptions in chat mode); what it refuses
+    is refused before the model loads."""
+    parser = argparse.ArgumentParser()
+    cli_generate.add_arguments(parser)
+    cli_chat.add_arguments(parser)
+    args = parser.parse_args(["--max-new-tokens", "5", "--temperature", "0.5", "--top-k", "3",
+                              "--seed", "7", "--stop", "1", "--stop", "2", "--logprobs",
+                              "--max-len", "64", "--speculative", "--thinking",
+                              "--reasoning-effort", "max"])
+    assert cli_generate.build_options(args) == GenerationOptions(
+        max_new_tokens=5, sampler=TopK(3, temperature=0.5), stop_tokens=(1, 2), seed=7,
+        logprobs=True, max_len=64, speculative=True)
+    assert cli_chat.build_chat_options(args, None) == ChatOptions(thinking=True,
+                                                                  reasoning_effort="max")
+    assert main(["generate", "--prompt", "x", "--seed", str(2 ** 63)]) == 2
+    assert capsys.readouterr().err == f"error: seed must be in [-2**63, 2**63), got {2 ** 63}\n"
 
 
 def test_prompts_file_problems_name_the_file(no_model_load, capsys, tmp_path):

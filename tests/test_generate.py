@@ -1,5 +1,6 @@
-"""Generation: greedy == argmax rollout, stream == generate, speculative == plain greedy,
-samplers on crafted logits, compile-once, stop tokens, logprobs, bad input, CLI."""
+"""Generation: greedy == argmax rollout, stream == generate, options= == keywords, speculative
+== plain greedy, samplers on crafted logits, compile-once, stop tokens, logprobs, bad input,
+CLI."""
 import numpy as np
 import pytest
 import jax
@@ -47,6 +48,24 @@ def test_stream_yields_the_same_tokens_as_generate(tiny, sampler):
     for row, want in enumerate(result.tokens):
         assert streamed[row][:len(want)].tolist() == want
     assert events[-1].done.all()
+
+
+def test_options_value_decodes_as_the_keywords(tiny):
+    """generate/stream(options=GenerationOptions(...)) give what the same options as keywords
+    give, with the same programs (those of the stream test above: nothing new compiles)."""
+    model, params = tiny
+    sampler = sampling.TopK(40, temperature=0.9)
+    opts = dj.GenerationOptions(max_new_tokens=7, sampler=sampler, seed=5, logprobs=True)
+    want = generate(model, params, PROMPTS, 7, sampler, seed=5, logprobs=True)
+    got = generate(model, params, PROMPTS, options=opts)
+    assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+    assert got.logprobs == want.logprobs and got.stats["compilations"] == 0
+    keywords = list(stream(model, params, PROMPTS, 7, sampler, seed=5, logprobs=True))
+    events = list(stream(model, params, PROMPTS, options=opts))
+    assert len(events) == len(keywords)
+    for e, k in zip(events, keywords):
+        np.testing.assert_array_equal(e.tokens, k.tokens)
+        np.testing.assert_array_equal(e.logprobs, k.logprobs)
 
 
 def test_sampling_is_reproducible_with_a_seed(tiny):
