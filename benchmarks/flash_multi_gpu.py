@@ -77,7 +77,7 @@ def main():
     mesh = sharding.make_mesh(data=args.data, expert=args.expert)
     n_rows = axis_size(mesh, "batch")
     b, p = -(-args.batch // n_rows) * n_rows, args.prompt        # rows run (padded)
-    need = sharding.check_fits(cfg, mesh)
+    need = plan.check_fits(cfg, mesh)
     log(config=f"{args.model} layers={cfg.n_layers} params={dj.param_count(cfg) / 1e9:.1f}B",
         mesh=dict(mesh.shape), rows_run=b, params_per_device_gib=gib(need),
         memory_table=sharding.memory_table(cfg, (1, 2, 4, 8), batch=args.batch),

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import Cache
@@ -25,7 +23,7 @@ from .mesh_rules import (DATA, EXPERT, RULES, axis_size, cache_shardings, check_
                          mesh_axes)
 
 __all__ = ["RULES", "PARAM_AXES", "make_mesh", "param_shardings", "shard", "cache_shardings",
-           "check_mesh", "check_batch", "per_device_bytes", "check_fits", "memory_table"]
+           "check_mesh", "check_batch", "memory_table"]
 
 # parameter path (regex on "a/b/c") -> logical axes of its dimensions; unmatched: replicated
 PARAM_AXES = (
@@ -91,41 +89,6 @@ def shard(params, cfg: Config, mesh: Mesh):
     """Place an existing parameter tree on the mesh (``jax.device_put`` leaf by leaf)."""
     shardings = param_shardings(cfg, mesh, params)
     return jax.tree.map(jax.device_put, params, shardings)
-
-
-# ----------------------------------------------------------------------------- memory
-def per_device_bytes(abstract, shardings) -> int:
-    """Bytes of the largest per-device share of a tree under ``shardings``."""
-    totals = {}
-    for leaf, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
-        shape = sh.shard_shape(leaf.shape)
-        nbytes = int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
-        for d in sh.addressable_devices if hasattr(sh, "addressable_devices") else [None]:
-            totals[d] = totals.get(d, 0) + nbytes
-    return max(totals.values()) if totals else 0
-
-
-def _device_memory(device) -> int | None:
-    try:
-        stats = device.memory_stats()
-    except Exception:
-        return None
-    return (stats or {}).get("bytes_limit")
-
-
-def check_fits(cfg: Config, mesh: Mesh, *, reserve: float = 0.1, abstract=None) -> int:
-    """Per-device parameter bytes on this mesh; ``ValueError`` before anything is allocated
-    when that exceeds the devices' memory (minus ``reserve`` for cache and activations)."""
-    abstract = abstract if abstract is not None else abstract_params(cfg)
-    need = per_device_bytes(abstract, param_shardings(cfg, mesh, abstract))
-    limits = [m for m in (_device_memory(d) for d in mesh.devices.flat) if m]
-    if limits and need > (1 - reserve) * min(limits):
-        raise ValueError(f"the checkpoint does not fit this mesh: it needs {need / 2**30:.1f} GiB "
-                         f"of parameters per device, a device has {min(limits) / 2**30:.1f} GiB "
-                         f"({reserve:.0%} kept for cache and activations); use more devices "
-                         "along the expert axis")
-    return need
 
 
 def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,

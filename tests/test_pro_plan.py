@@ -1,5 +1,6 @@
-"""The DSV4-Pro plan on 8 simulated CPU devices (tests/conftest.py), abstract shapes only:
-shards, per-device bytes, cache, activations and all-to-all sizes against hand arithmetic."""
+"""The memory planner (``dsv4_jax.plan``) on 8 simulated CPU devices (tests/conftest.py),
+abstract shapes only: the DSV4-Pro plan's shards, per-device bytes, cache, activations and
+all-to-all sizes against hand arithmetic, and the fit check that ``load(mesh=...)`` runs."""
 import numpy as np
 import pytest
 import jax
@@ -125,3 +126,15 @@ def test_pro_fits_eight_h200_only_with_experts_split_eight_ways(abstract, mesh18
     bad = plan.memory_plan(PRO, sharding.make_mesh(2, 4), batch=64, max_len=32768,
                            device_bytes=limit, abstract=abstract)
     assert not bad["fits"] and bad["params"] > limit            # 96 experts per device
+
+
+def test_checkpoint_that_does_not_fit_is_refused_before_allocating(monkeypatch):
+    cfg = dj.Config.tiny(dtype="float32", quant_simulation=False)
+    mesh = sharding.make_mesh(data=1, expert=8)
+    monkeypatch.setattr(plan, "_device_memory", lambda d: 2 ** 20)             # 1 MiB devices
+    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB of parameters per device"):
+        plan.check_fits(cfg, mesh)
+    monkeypatch.setattr(plan, "_device_memory", lambda d: 2 ** 40)
+    need = plan.check_fits(cfg, mesh)
+    assert 0 < need < dj.param_count(cfg) * 4
+    assert need == plan.param_bytes_per_device(cfg, mesh)
