@@ -10,6 +10,8 @@ devices. ``benchmarks/pro_plan.py`` prints the tables; docs/performance.md quote
 * ``cache_bytes_per_device``: a ``Cache`` of batch x max_len split over the batch axes.
 * ``step_activation_estimate``: the transients of one layer of a prefill/decode step (the
   documented formula below), for the CuTe MoE kernel path and for the XLA reference path.
+* ``memory_plan``: parameters + cache + one step's activations of a run against a device;
+  ``memory_table``: the same functions per model and device count (experts over all devices).
 * ``all_to_all_sizes``: the expert-parallel exchange of ``models/parallel.expert_parallel``
   (worst-case capacity: every device sends a full block of its assignments to every device).
 * ``abstract_step``: the jitted model step lowered on a mesh with abstract inputs, for the
@@ -30,14 +32,14 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import Cache
 from .config import CSA_RATIO, Config
-from .mesh_rules import EXPERT, axis_size, batch_axes, cache_shardings, check_batch
+from .mesh_rules import DATA, EXPERT, axis_size, batch_axes, cache_shardings, check_batch
 from .models.transformer import DSV4
 from .params import abstract_params, leaf_keys
 from .sharding import param_shardings
 
 __all__ = ["H200_BYTES", "shard_table", "group_shard_table", "per_device_bytes",
            "param_bytes_per_device", "check_fits", "cache_bytes_per_device", "step_activation_estimate", "all_to_all_sizes",
-           "reduced_config", "abstract_step", "memory_plan"]
+           "reduced_config", "abstract_step", "memory_plan", "memory_table"]
 
 # One H200 as the CUDA driver reports it (143,771 MiB, docs/performance.md, 2 x H200 run).
 H200_BYTES = 143771 * 2 ** 20
@@ -246,6 +248,48 @@ def memory_plan(cfg: Config, mesh: Mesh, *, batch: int, max_len: int, seq: int =
                 params=params, cache=cache, activations=act, total=total,
                 device_bytes=device_bytes, headroom=device_bytes - total,
                 fits=total <= device_bytes)
+
+
+def _sizes_mesh(data: int, expert: int) -> AbstractMesh:
+    """A ``("data", "expert")`` mesh of sizes only: the table plans device counts the host
+    does not have."""
+    return AbstractMesh((data, expert), (DATA, EXPERT),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
+                 prefill_chunk: int = 4096, max_len: int | None = None,
+                 abstract=None) -> list[dict]:
+    """Per-device GiB with experts split over all devices (data = 1, expert = n), one row per
+    device count, from the functions above (no devices needed):
+
+    * ``params_gib``: ``param_bytes_per_device``;
+    * ``cache_gib_per_1k_tokens_per_seq`` and ``cache_fixed_gib_per_seq``: one sequence's
+      ``cache_bytes_per_device`` grows linearly with max_len (compressed entries, indexer
+      keys) on top of a fixed part (windows, compressor tails);
+    * ``activations_gib``: ``step_activation_estimate`` total, XLA MoE path, of a prefill
+      chunk of ``batch`` rows x ``prefill_chunk`` tokens with a cache of ``max_len`` tokens
+      (default: the chunk). The batch splits over every device, so a smaller one runs padded
+      to one row per device, as the benchmarks run it.
+    """
+    abstract = abstract if abstract is not None else abstract_params(cfg)
+    max_len = max_len if max_len is not None else prefill_chunk
+    one = _sizes_mesh(1, 1)
+    per_1k = (cache_bytes_per_device(cfg, one, 1, 2048)
+              - cache_bytes_per_device(cfg, one, 1, 1024))
+    fixed_cache = cache_bytes_per_device(cfg, one, 1, 1024) - per_1k
+    rows = []
+    for n in n_devices:
+        mesh = _sizes_mesh(1, n)
+        rows_run = -(-batch // n) * n
+        act = step_activation_estimate(cfg, mesh, rows_run, prefill_chunk, max_len, moe="xla",
+                                       abstract=abstract)["total"]
+        rows.append(dict(
+            devices=n, params_gib=param_bytes_per_device(cfg, mesh, abstract) / 2**30,
+            cache_gib_per_1k_tokens_per_seq=per_1k / 2**30,
+            cache_fixed_gib_per_seq=fixed_cache / 2**30,
+            activations_gib=act / 2**30))
+    return rows
 
 
 def reduced_config(cfg: Config, ratios: tuple) -> Config:
