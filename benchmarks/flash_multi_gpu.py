@@ -3,7 +3,8 @@
 Parameters are generated directly on the devices with their shardings (no host copy): routed
 experts (packed FP4 + E8M0) split over the ``expert`` axis, embedding/head over the vocabulary,
 the rest replicated. Then one prefill chunk and a jitted decode loop; reports per-device
-memory, compile times and tokens/s. Figures go to stdout and ``$OUT/<model>_multi_gpu.json``.
+memory (planned by ``dsv4_jax.plan.memory_plan`` for this mesh, then measured), compile times
+and tokens/s. Figures go to stdout and ``$OUT/<model>_multi_gpu.json``.
 The batch splits over every device: a smaller batch runs padded to one row per device
 (tokens/s counts the real rows only).
 
@@ -77,10 +78,11 @@ def main():
     mesh = sharding.make_mesh(data=args.data, expert=args.expert)
     n_rows = axis_size(mesh, "batch")
     b, p = -(-args.batch // n_rows) * n_rows, args.prompt        # rows run (padded)
-    need = sharding.check_fits(cfg, mesh)
+    need = plan.check_fits(cfg, mesh)
+    # The plan of this run (its mesh, rows and lengths), to set against the memory measured
+    # below; plan.memory_table sizes other device counts with the same functions.
     log(config=f"{args.model} layers={cfg.n_layers} params={dj.param_count(cfg) / 1e9:.1f}B",
         mesh=dict(mesh.shape), rows_run=b, params_per_device_gib=gib(need),
-        memory_table=sharding.memory_table(cfg, (1, 2, 4, 8), batch=args.batch),
         plan_gib={f"{what}_{moe}": {k: gib(v) for k, v in plan.memory_plan(
             cfg, mesh, batch=b, seq=s, max_len=args.max_len, moe=moe).items()
             if k in ("params", "cache", "activations", "total")}

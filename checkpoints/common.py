@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from tqdm.auto import tqdm
 
-from dsv4_jax import sharding as rules
+from dsv4_jax import plan, sharding as rules
 from dsv4_jax.config import Config
 from .names import leaf_keys
 from .safetensors_io import CheckpointError
@@ -166,11 +166,12 @@ def leaf_shardings(abstract, shardings, mesh=None, cfg=None) -> dict:
     """``{key tuple: Sharding}`` for every leaf of ``abstract`` (see module docstring).
 
     With a ``mesh`` and no ``shardings`` the rule table of ``dsv4_jax.sharding`` decides, after
-    checking that the mesh fits the config and that the parameters fit the devices' memory."""
+    checking that the mesh fits the config and that the parameters fit the devices' memory
+    (``dsv4_jax.plan.check_fits``)."""
     flat = flat_leaves(abstract)
     if shardings is None and mesh is not None:
         rules.check_mesh(cfg, mesh)
-        rules.check_fits(cfg, mesh, abstract=abstract)
+        plan.check_fits(cfg, mesh, abstract=abstract)
         shardings = rules.param_shardings(cfg, mesh, abstract)
     if shardings is None:
         one = SingleDeviceSharding(default_device())

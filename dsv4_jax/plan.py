@@ -5,13 +5,21 @@ Everything here works on abstract shapes (``abstract_params``, ``jax.eval_shape`
 devices. ``benchmarks/pro_plan.py`` prints the tables; docs/performance.md quotes them.
 
 * ``shard_table``: every parameter's global and per-device shape under ``param_shardings``.
+* ``param_bytes_per_device``, ``check_fits``: a device's share of the parameters, and the
+  refusal to load a checkpoint that does not fit the devices (``load(..., mesh=...)``).
 * ``cache_bytes_per_device``: a ``Cache`` of batch x max_len split over the batch axes.
 * ``step_activation_estimate``: the transients of one layer of a prefill/decode step (the
   documented formula below), for the CuTe MoE kernel path and for the XLA reference path.
+* ``memory_plan``: parameters + cache + one step's activations of a run against a device;
+  ``memory_table``: the same functions per model and device count (experts over all devices).
 * ``all_to_all_sizes``: the expert-parallel exchange of ``models/parallel.expert_parallel``
   (worst-case capacity: every device sends a full block of its assignments to every device).
 * ``abstract_step``: the jitted model step lowered on a mesh with abstract inputs, for the
   compiler's own memory analysis of a reduced stack.
+
+This is the one place that sizes memory; ``dsv4_jax.sharding`` only places. The functions
+take a ``Mesh`` or a ``jax.sharding.AbstractMesh`` (sizes only, so a plan for more devices
+than the host has).
 """
 from __future__ import annotations
 
@@ -20,18 +28,18 @@ import re
 import numpy as np
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import Cache
 from .config import CSA_RATIO, Config
-from .mesh_rules import EXPERT, axis_size, batch_axes, cache_shardings, check_batch
+from .mesh_rules import DATA, EXPERT, axis_size, batch_axes, cache_shardings, check_batch
 from .models.transformer import DSV4
 from .params import abstract_params, leaf_keys
-from .sharding import param_shardings, per_device_bytes
+from .sharding import param_shardings
 
-__all__ = ["H200_BYTES", "shard_table", "group_shard_table", "param_bytes_per_device",
-           "cache_bytes_per_device", "step_activation_estimate", "all_to_all_sizes",
-           "reduced_config", "abstract_step", "memory_plan"]
+__all__ = ["H200_BYTES", "shard_table", "group_shard_table", "per_device_bytes",
+           "param_bytes_per_device", "check_fits", "cache_bytes_per_device", "step_activation_estimate", "all_to_all_sizes",
+           "reduced_config", "abstract_step", "memory_plan", "memory_table"]
 
 # One H200 as the CUDA driver reports it (143,771 MiB, docs/performance.md, 2 x H200 run).
 H200_BYTES = 143771 * 2 ** 20
@@ -70,9 +78,51 @@ def group_shard_table(rows: list[dict]) -> list[dict]:
     return list(groups.values())
 
 
+def _holders(sh) -> tuple:
+    """The devices that hold a shard under ``sh``; one stand-in for a mesh of sizes only,
+    where every position holds a shard of every leaf."""
+    if isinstance(getattr(sh, "mesh", None), AbstractMesh):
+        return (None,)
+    return tuple(sh.addressable_devices) if hasattr(sh, "addressable_devices") else (None,)
+
+
+def per_device_bytes(abstract, shardings) -> int:
+    """Bytes of the largest per-device share of a tree under ``shardings``."""
+    totals: dict = {}
+    for leaf, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
+        nbytes = _nbytes(sh.shard_shape(leaf.shape), leaf.dtype)
+        for d in _holders(sh):
+            totals[d] = totals.get(d, 0) + nbytes
+    return max(totals.values()) if totals else 0
+
+
 def param_bytes_per_device(cfg: Config, mesh: Mesh, abstract=None) -> int:
+    """Per-device bytes of the parameters of ``DSV4(cfg)`` under ``param_shardings``."""
     abstract = abstract if abstract is not None else abstract_params(cfg)
     return per_device_bytes(abstract, param_shardings(cfg, mesh, abstract))
+
+
+def _device_memory(device) -> int | None:
+    try:
+        stats = device.memory_stats()
+    except Exception:
+        return None
+    return (stats or {}).get("bytes_limit")
+
+
+def check_fits(cfg: Config, mesh: Mesh, *, reserve: float = 0.1, abstract=None) -> int:
+    """Per-device parameter bytes on this mesh; ``ValueError`` before anything is allocated
+    when that exceeds the devices' memory (minus ``reserve`` for cache and activations).
+    Needs a ``Mesh`` of devices; those that report no memory limit (CPU) are not checked."""
+    need = param_bytes_per_device(cfg, mesh, abstract)
+    limits = [m for m in (_device_memory(d) for d in mesh.devices.flat) if m]
+    if limits and need > (1 - reserve) * min(limits):
+        raise ValueError(f"the checkpoint does not fit this mesh: it needs {need / 2**30:.1f} GiB "
+                         f"of parameters per device, a device has {min(limits) / 2**30:.1f} GiB "
+                         f"({reserve:.0%} kept for cache and activations); use more devices "
+                         "along the expert axis")
+    return need
 
 
 def cache_bytes_per_device(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> int:
@@ -198,6 +248,48 @@ def memory_plan(cfg: Config, mesh: Mesh, *, batch: int, max_len: int, seq: int =
                 params=params, cache=cache, activations=act, total=total,
                 device_bytes=device_bytes, headroom=device_bytes - total,
                 fits=total <= device_bytes)
+
+
+def _sizes_mesh(data: int, expert: int) -> AbstractMesh:
+    """A ``("data", "expert")`` mesh of sizes only: the table plans device counts the host
+    does not have."""
+    return AbstractMesh((data, expert), (DATA, EXPERT),
+                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
+                 prefill_chunk: int = 4096, max_len: int | None = None,
+                 abstract=None) -> list[dict]:
+    """Per-device GiB with experts split over all devices (data = 1, expert = n), one row per
+    device count, from the functions above (no devices needed):
+
+    * ``params_gib``: ``param_bytes_per_device``;
+    * ``cache_gib_per_1k_tokens_per_seq`` and ``cache_fixed_gib_per_seq``: one sequence's
+      ``cache_bytes_per_device`` grows linearly with max_len (compressed entries, indexer
+      keys) on top of a fixed part (windows, compressor tails);
+    * ``activations_gib``: ``step_activation_estimate`` total, XLA MoE path, of a prefill
+      chunk of ``batch`` rows x ``prefill_chunk`` tokens with a cache of ``max_len`` tokens
+      (default: the chunk). The batch splits over every device, so a smaller one runs padded
+      to one row per device, as the benchmarks run it.
+    """
+    abstract = abstract if abstract is not None else abstract_params(cfg)
+    max_len = max_len if max_len is not None else prefill_chunk
+    one = _sizes_mesh(1, 1)
+    per_1k = (cache_bytes_per_device(cfg, one, 1, 2048)
+              - cache_bytes_per_device(cfg, one, 1, 1024))
+    fixed_cache = cache_bytes_per_device(cfg, one, 1, 1024) - per_1k
+    rows = []
+    for n in n_devices:
+        mesh = _sizes_mesh(1, n)
+        rows_run = -(-batch // n) * n
+        act = step_activation_estimate(cfg, mesh, rows_run, prefill_chunk, max_len, moe="xla",
+                                       abstract=abstract)["total"]
+        rows.append(dict(
+            devices=n, params_gib=param_bytes_per_device(cfg, mesh, abstract) / 2**30,
+            cache_gib_per_1k_tokens_per_seq=per_1k / 2**30,
+            cache_fixed_gib_per_seq=fixed_cache / 2**30,
+            activations_gib=act / 2**30))
+    return rows
 
 
 def reduced_config(cfg: Config, ratios: tuple) -> Config:

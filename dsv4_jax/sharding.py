@@ -1,4 +1,4 @@
-"""Running DSV4 on a ``jax.sharding.Mesh``: parameter shardings, placement, memory planning.
+"""Running DSV4 on a ``jax.sharding.Mesh``: mesh construction, parameter shardings, placement.
 
 The distribution policy -- mesh axes ``("data", "expert")`` and the logical-axis rule table
 ``RULES`` -- is in ``dsv4_jax.mesh_rules`` (re-exported here). ``PARAM_AXES`` below maps
@@ -7,25 +7,24 @@ experts, norms, routers, mHC) is replicated.
 
 ``DSV4(cfg, mesh=mesh)`` runs the collectives (models/parallel.py); ``shard`` places a
 parameter tree, ``Cache.init(..., mesh=mesh)`` a cache, ``init_params(..., shardings=...)`` and
-``load(..., mesh=...)`` create parameters directly on the devices.
+``load(..., mesh=...)`` create parameters directly on the devices. This module only places;
+what a placement costs in memory (parameters, cache, activations, the fit check) is
+``dsv4_jax.plan``'s.
 """
 from __future__ import annotations
 
 import re
 
-import numpy as np
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .cache import Cache
 from .config import Config
 from .params import abstract_params, leaf_keys
 from .mesh_rules import (DATA, EXPERT, RULES, axis_size, cache_shardings, check_batch,
                          mesh_axes)
 
 __all__ = ["RULES", "PARAM_AXES", "make_mesh", "param_shardings", "shard", "cache_shardings",
-           "check_mesh", "check_batch", "per_device_bytes", "check_fits", "memory_table"]
+           "check_mesh", "check_batch"]
 
 # parameter path (regex on "a/b/c") -> logical axes of its dimensions; unmatched: replicated
 PARAM_AXES = (
@@ -92,75 +91,3 @@ def shard(params, cfg: Config, mesh: Mesh):
     shardings = param_shardings(cfg, mesh, params)
     return jax.tree.map(jax.device_put, params, shardings)
 
-
-# ----------------------------------------------------------------------------- memory
-def per_device_bytes(abstract, shardings) -> int:
-    """Bytes of the largest per-device share of a tree under ``shardings``."""
-    totals = {}
-    for leaf, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))):
-        shape = sh.shard_shape(leaf.shape)
-        nbytes = int(np.prod(shape)) * jnp.dtype(leaf.dtype).itemsize
-        for d in sh.addressable_devices if hasattr(sh, "addressable_devices") else [None]:
-            totals[d] = totals.get(d, 0) + nbytes
-    return max(totals.values()) if totals else 0
-
-
-def _device_memory(device) -> int | None:
-    try:
-        stats = device.memory_stats()
-    except Exception:
-        return None
-    return (stats or {}).get("bytes_limit")
-
-
-def check_fits(cfg: Config, mesh: Mesh, *, reserve: float = 0.1, abstract=None) -> int:
-    """Per-device parameter bytes on this mesh; ``ValueError`` before anything is allocated
-    when that exceeds the devices' memory (minus ``reserve`` for cache and activations)."""
-    abstract = abstract if abstract is not None else abstract_params(cfg)
-    need = per_device_bytes(abstract, param_shardings(cfg, mesh, abstract))
-    limits = [m for m in (_device_memory(d) for d in mesh.devices.flat) if m]
-    if limits and need > (1 - reserve) * min(limits):
-        raise ValueError(f"the checkpoint does not fit this mesh: it needs {need / 2**30:.1f} GiB "
-                         f"of parameters per device, a device has {min(limits) / 2**30:.1f} GiB "
-                         f"({reserve:.0%} kept for cache and activations); use more devices "
-                         "along the expert axis")
-    return need
-
-
-def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
-                 prefill_chunk: int = 4096) -> list[dict]:
-    """Per-device GiB for params, cache per 1k tokens per sequence and activations (estimate),
-    with experts split over all devices (data = 1, expert = n)."""
-    abstract = abstract_params(cfg)
-    leaves = jax.tree_util.tree_leaves_with_path(abstract)
-    expert_bytes = sum(x.size * x.dtype.itemsize for k, x in leaves
-                       if re.search(PARAM_AXES[2][0], _path(k)))
-    vocab_bytes = sum(x.size * x.dtype.itemsize for k, x in leaves
-                      if re.search(r"^(embed|head)/weight$", _path(k)))
-    total = sum(x.size * x.dtype.itemsize for _, x in leaves)
-    rest = total - expert_bytes - vocab_bytes
-    per_1k = _cache_bytes(cfg, 2048) - _cache_bytes(cfg, 1024)
-    fixed_cache = _cache_bytes(cfg, 1024) - per_1k
-    d, act = cfg.dim, 2
-    rows = []
-    for n in n_devices:
-        b_local = max(batch // n, 1)
-        t = b_local * prefill_chunk
-        # XLA path transients of one layer: dequantised local experts (BF16), gathered window
-        # and compressed entries for attention, 4 residual streams, f32 logits of the chunk.
-        experts_local = cfg.n_routed_experts // n * 3 * cfg.moe_inter_dim * d * act
-        attn = t * (cfg.window_size + cfg.index_topk) * cfg.head_dim * act
-        streams = 3 * t * cfg.hc_mult * d * act
-        logits = b_local * cfg.vocab_size * 4
-        rows.append(dict(
-            devices=n, params_gib=(expert_bytes / n + vocab_bytes / n + rest) / 2**30,
-            cache_gib_per_1k_tokens_per_seq=per_1k / 2**30,
-            cache_fixed_gib_per_seq=fixed_cache / 2**30,
-            activations_gib=(experts_local + attn + streams + logits) / 2**30))
-    return rows
-
-
-def _cache_bytes(cfg: Config, max_len: int) -> int:
-    c = jax.eval_shape(lambda: Cache.init(cfg, 1, max_len))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(c))

@@ -1,5 +1,7 @@
-"""The DSV4-Pro plan on 8 simulated CPU devices (tests/conftest.py), abstract shapes only:
-shards, per-device bytes, cache, activations and all-to-all sizes against hand arithmetic."""
+"""The memory planner (``dsv4_jax.plan``) on 8 simulated CPU devices (tests/conftest.py),
+abstract shapes only: the DSV4-Pro plan's shards, per-device bytes, cache, activations and
+all-to-all sizes against hand arithmetic, the fit check that ``load(mesh=...)`` runs, and
+the per-device-count memory table of Flash and Pro."""
 import numpy as np
 import pytest
 import jax
@@ -125,3 +127,55 @@ def test_pro_fits_eight_h200_only_with_experts_split_eight_ways(abstract, mesh18
     bad = plan.memory_plan(PRO, sharding.make_mesh(2, 4), batch=64, max_len=32768,
                            device_bytes=limit, abstract=abstract)
     assert not bad["fits"] and bad["params"] > limit            # 96 experts per device
+
+
+def test_checkpoint_that_does_not_fit_is_refused_before_allocating(monkeypatch):
+    cfg = dj.Config.tiny(dtype="float32", quant_simulation=False)
+    mesh = sharding.make_mesh(data=1, expert=8)
+    monkeypatch.setattr(plan, "_device_memory", lambda d: 2 ** 20)             # 1 MiB devices
+    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB of parameters per device"):
+        plan.check_fits(cfg, mesh)
+    monkeypatch.setattr(plan, "_device_memory", lambda d: 2 ** 40)
+    need = plan.check_fits(cfg, mesh)
+    assert 0 < need < dj.param_count(cfg) * 4
+    assert need == plan.param_bytes_per_device(cfg, mesh)
+
+
+def test_memory_table_for_flash_and_pro(abstract):
+    flash = dj.Config.flash(quantized=True)
+    for cfg, total_gb, tree in ((flash, 160, None), (PRO, 865, abstract)):
+        rows = plan.memory_table(cfg, abstract=tree)
+        assert [r["devices"] for r in rows] == [1, 2, 4, 8]
+        assert abs(rows[0]["params_gib"] * 2**30 / 1e9 - total_gb) / total_gb < 0.02
+        assert rows[3]["params_gib"] < rows[0]["params_gib"] / 4          # experts dominate
+        assert rows[0]["cache_gib_per_1k_tokens_per_seq"] > 0
+        # sizes-only meshes: the same bytes as the devices' meshes
+        for r in rows:
+            mesh = sharding.make_mesh(data=1, expert=r["devices"])
+            assert r["params_gib"] * 2**30 == plan.param_bytes_per_device(cfg, mesh, tree)
+    # Pro's cache per 1k tokens: CSA layers add 256 compressed entries (c = 512) and 256
+    # indexer keys (128), HCA layers 8 entries; BF16
+    per_1k = 30 * (256 * 512 + 256 * 128) * 2 + 31 * 8 * 512 * 2
+    assert rows[0]["cache_gib_per_1k_tokens_per_seq"] * 2**30 == per_1k
+
+
+def test_memory_table_activations_are_the_step_formula():
+    """Flash on 8 devices, 8 x 4096-token prefill chunk, cache of 4096: the XLA-path terms of
+    ``step_activation_estimate`` by hand (one row and 4096 tokens per device)."""
+    flash = dj.Config.flash(quantized=True)
+    d, h, c, inter, v = 4096, 64, 512, 2048, 129280
+    t, slots = 4096, 8 * 4096 * 6
+    streams = 3 * t * 4 * d * 2
+    attention = (2 * t * h * c * 2 + t * (128 + 512) * c * 2          # window + top-k entries
+                 + t * 64 * (4096 // 4) * 4)                           # indexer scores, f32
+    # largest block: the MTP block's FP8 linears (attention, shared expert, e/h projections)
+    dense = (1024 * d + 32768 * 1024 + c * d + 8192 * d + d * 8192 + 3 * inter * d
+             + 2 * d * d) * 2
+    exchange = 4 * slots * d * 2
+    experts = 256 // 8 * 3 * inter * d * 2                             # all local, BF16
+    logits = 8 * d * 2 + 8 * (v // 8) * 4 + v * 4
+    total = streams + attention + dense + exchange + experts + logits
+    (row,) = plan.memory_table(flash, (8,))
+    assert row["activations_gib"] * 2**30 == total
+    # a batch smaller than the mesh runs padded to one row per device
+    assert plan.memory_table(flash, (8,), batch=1)[0]["activations_gib"] == row["activations_gib"]
