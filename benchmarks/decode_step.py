@@ -16,10 +16,11 @@ zeros, which costs the same as real ones), one token per row per step, ``--steps
 (median) after two warm-up steps. Prefill: one chunk of ``C`` tokens (batch 1) into an empty
 cache; tokens/s per layer = C / ((t_big - t_small) / (L_big - L_small)).
 
-``--impls``: values of ``DSV4_IMPLEMENTATION`` compared in the same run -- ``auto`` (the CuTe
-kernels where they apply), ``moe=xla`` (the MoE on its XLA reference, attention kernel kept:
-the pre-kernel model), ``xla`` (every op on its reference); a ``+ALGORITHM`` suffix also sets
-``DSV4_MOE_ALGORITHM`` (``auto+wgmma``: the MoE's WGMMA kernel on decode tiles too). The per-kernel breakdown profiles one
+``--impls``: kernel policies compared in the same run, written as ``DSV4_IMPLEMENTATION``
+values -- ``auto`` (the CuTe kernels where they apply), ``moe_experts=xla`` (the MoE on its
+XLA reference, attention kernel kept: the pre-kernel model), ``xla`` (every op on its
+reference); a ``+ALGORITHM`` suffix sets the grouped GEMM's decode algorithm
+(``auto+wgmma``: the WGMMA kernel on decode tiles too). Each becomes a ``KernelPolicy``. The per-kernel breakdown profiles one
 step of the big stack per impl (``jax.profiler``) and lists the top device ops by total time.
 Tables go to stdout and, with ``--out``, to a markdown file.
 """
@@ -41,7 +42,7 @@ import dsv4_jax as dj  # first: XLA flags
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.ffi import dispatch, moe as moe_op
+from dsv4_jax.ffi.policy import (ALGORITHM_ENV_VAR, IMPLEMENTATION_ENV_VAR, KernelPolicy)
 from dsv4_jax.params import abstract_params
 
 
@@ -69,22 +70,17 @@ def sub_stack(params: dict, layers: int) -> dict:
             if not k.startswith("layers_") or int(k.split("_")[1]) < layers}
 
 
-def set_impl(value: str):
-    """Select the implementations for functions traced from now on (``impl[+algorithm]``)."""
+def policy_of(value: str) -> KernelPolicy:
+    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm]``)."""
     value, _, algorithm = value.partition("+")
+    env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
     if algorithm:
-        os.environ[moe_op.ALGORITHM_ENV_VAR] = algorithm
-    else:
-        os.environ.pop(moe_op.ALGORITHM_ENV_VAR, None)            # the default
-    if value == "auto":
-        os.environ.pop(dispatch.ENV_VAR, None)
-    else:
-        os.environ[dispatch.ENV_VAR] = value
+        env[ALGORITHM_ENV_VAR] = algorithm
+    return KernelPolicy.from_environment(env)
 
 
-def make_step(cfg):
-    model = dj.DSV4(cfg, runtime_checks=False)
-    # A new jitted function per (config, impl): the env var is read when it is traced.
+def make_step(cfg, policy: KernelPolicy):
+    model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
     return jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
                    donate_argnums=(2,))
 
@@ -94,9 +90,9 @@ def filled_cache(cfg, batch, ctx, max_len):
     return cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
 
 
-def time_decode(cfg, params, batch, ctx, steps):
+def time_decode(cfg, policy, params, batch, ctx, steps):
     """Median seconds of one decode step at ``ctx`` tokens (the cache advances each step)."""
-    step = make_step(cfg)
+    step = make_step(cfg, policy)
     cache = filled_cache(cfg, batch, ctx, ctx + steps + 8)
     # Distinct tokens per row: equal rows would route to the same experts.
     tok = (5 + 7919 * jnp.arange(batch, dtype=jnp.int32)[:, None]) % cfg.vocab_size
@@ -115,9 +111,9 @@ def time_decode(cfg, params, batch, ctx, steps):
     return statistics.median(times), compile_s, finite, (compiled, params, tok, cache)
 
 
-def time_prefill(cfg, params, chunk, runs):
+def time_prefill(cfg, policy, params, chunk, runs):
     """Median seconds of one ``chunk``-token prefill (batch 1) into an empty cache."""
-    step = make_step(cfg)
+    step = make_step(cfg, policy)
     tokens = jax.random.randint(jax.random.key(1), (1, chunk), 2, cfg.vocab_size, jnp.int32)
     empty = dj.Cache.init(cfg, 1, chunk)
     t0 = time.perf_counter()
@@ -210,12 +206,13 @@ def run_decode(args, base, params_big, out):
              "tokens/s (L=%d) | finite |" % (small, big, big), "|---|---|---|---|---|---|---|"]
     keep = {}
     for impl in args.impls:
-        set_impl(impl)
+        policy = policy_of(impl)
         for batch in args.batches:
             t = {}
             for layers in (small, big):
                 cfg = stack_config(base, layers)
-                med, comp, finite, state = time_decode(cfg, sub_stack(params_big, layers),
+                med, comp, finite, state = time_decode(cfg, policy,
+                                                       sub_stack(params_big, layers),
                                                        batch, args.ctx, args.steps)
                 t[layers] = med
                 print(f"decode {impl} batch={batch} L={layers}: {med * 1e3:.2f} ms "
@@ -248,7 +245,7 @@ def run_prefill(args, base, params_big, out):
     keep = {}
     # A "+algorithm" suffix only changes decode tiles: prefill chunks run the same kernels.
     for impl in dict.fromkeys(i.partition("+")[0] for i in args.impls):
-        set_impl(impl)
+        policy = policy_of(impl)
         for chunk in args.chunks:
             if impl != "auto" and chunk > args.xla_max_chunk:
                 lines.append(f"| {impl} | {chunk} | skip | skip | | | |")
@@ -259,7 +256,8 @@ def run_prefill(args, base, params_big, out):
                 # (the issue's 8192-token chunk of a 2-layer stack) when the big one does not.
                 try:
                     cfg = stack_config(base, layers)
-                    med, comp, finite, state = time_prefill(cfg, sub_stack(params_big, layers),
+                    med, comp, finite, state = time_prefill(cfg, policy,
+                                                            sub_stack(params_big, layers),
                                                             chunk, args.prefill_runs)
                 except Exception as err:             # out of memory at long chunks: say so
                     if ("RESOURCE_EXHAUSTED" not in str(err)
@@ -306,8 +304,9 @@ def parse_args(argv=None):
     p.add_argument("--xla-max-chunk", type=int, default=2048,
                    help="longest prefill chunk run with a non-auto impl (XLA's MoE runs out "
                         "of memory beyond)")
-    p.add_argument("--impls", default="auto,auto+wgmma,moe=xla",
-                   help="DSV4_IMPLEMENTATION values to compare (auto = the kernels)")
+    p.add_argument("--impls", default="auto,auto+wgmma,moe_experts=xla",
+                   help="kernel policies to compare, as DSV4_IMPLEMENTATION values (auto = "
+                        "the kernels; +ALGORITHM: the decode algorithm)")
     p.add_argument("--profile-batch", type=int, default=8)
     p.add_argument("--profile-chunk", type=int, default=4096)
     p.add_argument("--no-profile", action="store_true")
