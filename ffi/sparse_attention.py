@@ -5,7 +5,7 @@ Laid out as every op (docs/architecture.md §7): the public op ``sparse_attentio
 ``check_sparse_attention_args``, and the kernel path ``sparse_attention_cute`` whose launch
 configuration is a ``SparseAttentionSm90Config`` (``kernels/sparse_attention_config.py``).
 
-Contract (docs/architecture.md §8)::
+Contract::
 
     sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
                      implementation=None) -> (o, lse)

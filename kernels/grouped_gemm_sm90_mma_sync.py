@@ -16,8 +16,8 @@ Dataflow (CTA = 4 warps = 64 weight rows of one expert and one tile of <= 8 toke
 grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stages``-deep
 ``cp.async`` ring with one CTA barrier per K block of 128 (the sm_80 multistage pattern):
 
-1. Copies, all 16-byte and sector-complete where the format allows (measured on an H200:
-   the old per-lane 4-byte scale and per-warp token copies cost 23 % and 16 % of the time):
+1. Copies, all 16-byte and sector-complete where the format allows (per-lane 4-byte scale
+   copies and per-warp token copies cost far more than their bytes; docs/performance.md):
    - weights: lane ``4g + t`` copies, of weight rows g and g + 8 of its warp (each matrix),
      the bytes of columns [32t, 32t + 32) -- one FP4 scale block -- into its own slots;
    - tokens: the CTA's 128 threads copy the tile's 8 token rows x 128 columns once, one

@@ -214,8 +214,8 @@ class GroupedGemmWgmmaSm90:
             # Token rows: bn rows x 16 chunks of 8 bf16. Rows past the tile's count are not
             # copied: their WGMMA columns (outputs never stored; no column mixes with
             # another) hold whatever the stage held. Copying the tile's first row in their
-            # place sent up to bn - 1 requests for the same bytes per chunk (T = 512, 12 rows
-            # per 128-row tile: the w2 launch took 4.0 ms against 2.3 ms at T = 4096).
+            # place sent up to bn - 1 requests for the same bytes per chunk, which made
+            # sparsely filled tiles slower than full ones (docs/performance_history.md).
             x_base = mX.iterator.toint()
             for i in cutlass.range_constexpr((bn * 16 + 127) // 128):
                 flat = i * 128 + tidx

@@ -29,9 +29,9 @@ class SparseAttentionSm90Config:
 
     ``block_n`` entries per pipeline stage, ``num_stages`` stages, ``qk_split``: QK^T split
     between the two math warpgroups (True), computed by both (False), or ``None``: split when
-    the launch has a single split (many blocks per CTA: measured 2-8% faster on H200 at Pro
-    T=64/128 and Flash T=128) and duplicated when it is split flash-decoding style (a few
-    blocks per CTA: the duplicated, ping-ponged QK^T measured equal or up to 2% faster).
+    the launch has a single split (many blocks per CTA: faster there) and duplicated when it is
+    split flash-decoding style (a few blocks per CTA: the duplicated, ping-ponged QK^T is as
+    fast or faster); the measurements: docs/performance.md, "Split QK^T (v4)".
 
     Test and benchmark hooks (not model settings): ``ablation`` compiles a variant that leaves
     one stage out (wrong outputs, timing only; one of ``ABLATIONS``); ``poison`` (a float)

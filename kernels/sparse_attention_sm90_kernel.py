@@ -356,9 +356,9 @@ class SparseAttentionSm90(SplitCombine):
                 warpgroup.commit_group()
             if const_expr(self.qk_split):
                 # The next block's QK^T queues right behind this P.V (acc_s is free once P
-                # is in registers), so the tensor pipe runs the two back to back. Measured
-                # (H200) against issuing it after this block's release, or only when the
-                # next block has already landed: this order was fastest.
+                # is in registers), so the tensor pipe runs the two back to back. Issuing it
+                # after this block's release, or only when the next block has already
+                # landed, was slower (docs/performance.md, "Split QK^T (v4)").
                 nxt = state.clone()
                 nxt.advance()
                 if j + 1 < n_local:

@@ -24,7 +24,7 @@ def implementation(request):
 
 
 def numpy_attention(q, kv, idx, sink, extra_kv=None, extra_idx=None, scale=SCALE):
-    """Independent float64 formula of the contract (docs/architecture.md §8.1), one token at
+    """Independent float64 formula of the contract (ffi/sparse_attention.py), one token at
     a time."""
     q, kv, sink = (np.asarray(x, np.float64) for x in (q, kv, sink))
     t, h, d = q.shape
