@@ -7,8 +7,8 @@ Contract::
                  simulate=False, implementation=None, policy=None) -> y [M, N] in x's dtype
 
     x:           [M, K] bf16 or f32 rows
-    group_ids:   [M] int32, the group of each row (any order), or None: one group, every
-                 row (a dense linear; the weights' group dim is then 1)
+    group_ids:   [M] int32, the group of each row (any order), or None: the rows in G equal
+                 consecutive blocks, block g in group g (G = 1: a dense linear)
     w, w_up:     (weight, scale or None) of logical shape [G, N, K] in one
                  ``quant.WeightFormat`` (FP4 + E8M0 1x32, FP8 + E8M0 128x128, or plain)
     row_weights: [M] floating, gated form only (None: 1)

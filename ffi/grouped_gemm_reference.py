@@ -79,9 +79,10 @@ def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> Wei
                             and hasattr(w[0], "shape") else type(w).__name__))
     groups, n = w[0].shape[0], w[0].shape[1]
     if group_ids is None:
-        if groups != 1:
-            raise ValueError(f"{op}: group_ids=None (a dense linear) takes one group; "
-                             f"{describe('w', w[0])}")
+        if rows % groups:
+            raise ValueError(f"{op}: group_ids=None takes the rows in {groups} equal blocks, "
+                             f"one per group: M={rows} is not a multiple of G={groups}; "
+                             f"{describe('x', x)}, {describe('w', w[0])}")
     elif group_ids.shape != (rows,):
         raise ValueError(f"{op}: group_ids must be [M={rows}]; {describe('group_ids', group_ids)}")
     elif group_ids.dtype != jnp.int32:
@@ -118,11 +119,17 @@ def _dot_rows(x, w, simulate, out_dtype):
                       precision=HIGHEST).astype(out_dtype)
 
 
-def _dot_dense(x, w, simulate, out_dtype):
-    """Every row times the one weight matrix ``w [N, K]``."""
+def _dot_blocks(x, w, simulate, out_dtype):
+    """Rows in G equal consecutive blocks, block g times ``w[g]`` (``w [G, N, K]``); one
+    group is a dense linear."""
     xin, win = quant.gemm_operands(x, w, simulate)
-    return jnp.einsum("...i,oi->...o", xin, win, preferred_element_type=jnp.float32,
-                      precision=HIGHEST).astype(out_dtype)
+    if w.shape[0] == 1:
+        return jnp.einsum("...i,oi->...o", xin, win[0], preferred_element_type=jnp.float32,
+                          precision=HIGHEST).astype(out_dtype)
+    g = w.shape[0]
+    y = jnp.einsum("gti,goi->gto", xin.reshape(g, -1, xin.shape[-1]), win,
+                   preferred_element_type=jnp.float32, precision=HIGHEST)
+    return y.reshape(x.shape[0], -1).astype(out_dtype)
 
 
 def _dot_grouped(x, w, group_sizes, simulate, out_dtype):
@@ -137,14 +144,14 @@ def _dot_grouped(x, w, group_sizes, simulate, out_dtype):
 
 def grouped_products(x, group_ids, mats, simulate):
     """``[x' W^T for W in mats]`` rounded to x's dtype, each row by its group (ids must be in
-    ``[0, G)``; ``group_ids`` None: one group). The reference's two schedules: rows gather
-    their group's weights when there are fewer rows than groups, else rows sorted by group
-    and one ``ragged_dot_general`` per matrix (outputs back in row order)."""
+    ``[0, G)``; ``group_ids`` None: the rows in G equal consecutive blocks). The reference's
+    schedules: equal blocks are one batched dot; otherwise rows gather their group's weights
+    when there are fewer rows than groups, else rows sorted by group and one
+    ``ragged_dot_general`` per matrix (outputs back in row order)."""
     dt = x.dtype
     groups = mats[0][0].shape[0]
     if group_ids is None:
-        return [_dot_dense(x, quant.dequant_weight(w[0], None if s is None else s[0], dt),
-                           simulate, dt) for w, s in mats]
+        return [_dot_blocks(x, quant.dequant_weight(w, s, dt), simulate, dt) for w, s in mats]
     if x.shape[0] < groups:
         return [_dot_rows(x, quant.dequant_weight(w[group_ids], None if s is None
                                                   else s[group_ids], dt), simulate, dt)

@@ -6,8 +6,8 @@ One call of ``grouped_gemm_cute``:
 1. schedule (XLA, on device, no host sync): rows sorted by group (ids outside ``[0, G)``
    sort last and are dropped), per-group counts and offsets, and a static worst case of row
    tiles (group, first sorted row, row count) -- ``num_tile_slots`` entries, unused slots
-   have group -1. A dense linear (``group_ids`` None) needs none of it: its tiles are
-   consecutive blocks of rows, known when tracing;
+   have group -1. Rows already in equal blocks per group (``group_ids`` None: a dense linear,
+   or the grouped ``wo_a``) need none of it: their tiles are known when tracing;
 2. the FP8 1 x 128 activation quantisation (when simulating) on the rows before the gather
    (it is per row, so it commutes with it): the FP8 kernels take e4m3 codes and scales, the
    others their exact bf16 products;
@@ -32,7 +32,7 @@ from .grouped_gemm_reference import swiglu
 from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
-           "dense_schedule", "launch", "grouped_gemm_cute"]
+           "block_schedule", "launch", "grouped_gemm_cute"]
 
 _KERNEL_SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(quant.E8M0_DTYPE))
 
@@ -85,8 +85,8 @@ def support(rows: int, k: int, x_dtype: str, w, w_up=None, *, ragged: bool, simu
         return False, "no rows"
     groups, n = w[0].shape[0], w[0].shape[1]
     config = resolve_config(policy, rows, groups, fmt, (k,), simulate)
-    if not ragged and num_tile_slots(rows, 1, config.block_n) != -(-rows // config.block_n):
-        return False, "a dense linear's tiles"           # never: a dense tile list is exact
+    if not ragged and rows % groups:
+        return False, f"{rows} rows in {groups} equal blocks"
     return launch_support(config, fmt, x_dtype, rows, groups, [(w_up is not None, n, k)])
 
 
@@ -120,12 +120,16 @@ def schedule(group_ids: jax.Array, groups: int, block_n: int):
             jnp.where(used, count, 0).astype(jnp.int32))
 
 
-def dense_schedule(rows: int, block_n: int):
-    """The tiles of a dense linear (one group, rows in order), as constants: ``(tile_group,
-    tile_row0, tile_rows)`` int32 of ``ceil(rows / block_n)`` entries."""
-    row0 = np.arange(0, rows, block_n, dtype=np.int32)
-    return (jnp.zeros(row0.shape, jnp.int32), jnp.asarray(row0),
-            jnp.asarray(np.minimum(block_n, rows - row0).astype(np.int32)))
+def block_schedule(rows: int, groups: int, block_n: int):
+    """The tiles of rows in ``groups`` equal consecutive blocks (one group: a dense linear),
+    as constants: ``(tile_group, tile_row0, tile_rows)`` int32, ``ceil(rows / groups /
+    block_n)`` tiles per group."""
+    per = rows // groups
+    local = np.arange(0, per, block_n, dtype=np.int32)
+    group = np.repeat(np.arange(groups, dtype=np.int32), local.size)
+    row0 = (group * per + np.tile(local, groups)).astype(np.int32)
+    count = np.minimum(block_n, per - np.tile(local, groups)).astype(np.int32)
+    return jnp.asarray(group), jnp.asarray(row0), jnp.asarray(count)
 
 
 def _as_bytes(weight, scale):
@@ -212,7 +216,7 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     gated = w_up is not None
     if group_ids is None:
         order = valid_sorted = None
-        tiles = dense_schedule(rows, config.block_n)
+        tiles = block_schedule(rows, groups, config.block_n)
     else:
         order, valid_sorted, *tiles = schedule(group_ids, groups, config.block_n)
     rw = None

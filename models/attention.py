@@ -31,7 +31,7 @@ from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax import quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
-from .layers import (Linear, RMSNorm, act_dtype, fp8_codes_init,
+from .layers import (Linear, RMSNorm, act_dtype, fp8_codes_init, grouped_linear,
                      head_rms_norm, normal_init, pow2_scale_init, rope_inv_freq, rope_tail,
                      FP8_CODE_STD)
 from .parallel import batch_parallel
@@ -114,9 +114,13 @@ def commit_layer(lcache: LayerCache, pending: LayerPending, lengths, num_new) ->
 
 
 class GroupedOutput(nn.Module):
-    """``wo_a`` applied per output group: ``[B,S,g,(h/g)*c] -> [B,S,g,o_lora]`` (a BF16 einsum,
-    as the reference, which dequantises ``wo_a`` to BF16 at conversion)."""
+    """``wo_a`` applied per output group: ``[B,S,g,(h/g)*c] -> [B,S,g,o_lora]``: BF16 outputs
+    times the exactly dequantised weight (the reference dequantises ``wo_a`` to BF16 at
+    conversion; no FP8 activation quantisation), f32 accumulation. A grouped GEMM with one
+    group per output group (``layers.grouped_linear``): the FP8 weight is read as stored."""
     cfg: Config
+    policy: KernelPolicy = DEFAULT_POLICY
+    mesh: object = None
 
     @nn.compact
     def __call__(self, o: jax.Array) -> jax.Array:
@@ -131,9 +135,14 @@ class GroupedOutput(nn.Module):
                            (-(-shape[0] // 128), -(-shape[1] // 128)))
         else:
             w, s = self.param("weight", normal_init(std), shape, act_dtype(cfg)), None
-        w = quant.dequant_weight(w, s, o.dtype).reshape(g, cfg.o_lora_rank, in_f)
-        return jnp.einsum("bsgd,grd->bsgr", o, w, preferred_element_type=jnp.float32
-                          ).astype(o.dtype)
+        if s is None or cfg.o_lora_rank % 128:       # plain, or a scale block spans groups
+            w = quant.dequant_weight(w, s, o.dtype).reshape(g, cfg.o_lora_rank, in_f)
+            return jnp.einsum("bsgd,grd->bsgr", o, w, preferred_element_type=jnp.float32
+                              ).astype(o.dtype)
+        w = w.reshape(g, cfg.o_lora_rank, in_f)
+        s = s.reshape(g, cfg.o_lora_rank // 128, s.shape[-1])
+        return grouped_linear(o, (w, s), simulate=False, policy=self.policy, mesh=self.mesh,
+                              groups_last=True)
 
 
 class Attention(nn.Module):
@@ -152,14 +161,16 @@ class Attention(nn.Module):
         inv_freq = rope_inv_freq(cfg, compressed=ratio > 0)
         positions = lengths[:, None] + jnp.arange(s)[None, :]
 
+        linear = functools.partial(Linear, cfg, family="fp8", policy=self.policy,
+                                   mesh=self.mesh)
         qr = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, name="q_norm")(
-            Linear(cfg, cfg.dim, cfg.q_lora_rank, "fp8", name="wq_a")(x))
-        q = Linear(cfg, cfg.q_lora_rank, h * c, "fp8", name="wq_b")(qr).reshape(b, s, h, c)
+            linear(cfg.dim, cfg.q_lora_rank, name="wq_a")(x))
+        q = linear(cfg.q_lora_rank, h * c, name="wq_b")(qr).reshape(b, s, h, c)
         q = head_rms_norm(q, cfg.norm_eps)
         q = rope_tail(q, positions[..., None], inv_freq, rd)
 
         kv = RMSNorm(c, cfg.norm_eps, name="kv_norm")(
-            Linear(cfg, cfg.dim, c, "fp8", name="wkv")(x))
+            linear(cfg.dim, c, name="wkv")(x))
         kv = rope_tail(kv, positions, inv_freq, rd)
         if cfg.quant_simulation:
             kv = jnp.concatenate([quant.fp8_simulate(kv[..., :c - rd], 64), kv[..., c - rd:]],
@@ -174,7 +185,7 @@ class Attention(nn.Module):
             pending = pending.replace(compressor=Compressor(cfg, ratio, c, name="compressor")(
                 x, lcache.kv_state, lcache.score_state, lengths, num_new, inv_freq))
             if kind == "csa":
-                sel, ichunk = Indexer(cfg, name="indexer")(
+                sel, ichunk = Indexer(cfg, self.policy, self.mesh, name="indexer")(
                     x, qr, positions, lcache, lengths, num_new, inv_freq)
                 pending = pending.replace(indexer=ichunk)
         new_cache = commit_layer(lcache, pending, lengths, num_new)
@@ -194,7 +205,6 @@ class Attention(nn.Module):
                                 (q, pool, win_idx, table, sel), (sink,), 1)
         o = rope_tail(o, positions[..., None], inv_freq, rd, inverse=True)
         o = o.reshape(b, s, cfg.o_groups, h // cfg.o_groups * c)
-        u = GroupedOutput(cfg, name="wo_a")(o)
-        out = Linear(cfg, cfg.o_groups * cfg.o_lora_rank, cfg.dim, "fp8", name="wo_b")(
-            u.reshape(b, s, -1))
+        u = GroupedOutput(cfg, self.policy, self.mesh, name="wo_a")(o)
+        out = linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, name="wo_b")(u.reshape(b, s, -1))
         return out, new_cache, pending

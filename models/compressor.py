@@ -18,6 +18,7 @@ from flax import struct
 
 from dsv4_jax.config import CSA_RATIO, Config, compressor_overlap
 from dsv4_jax import quant
+from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .layers import Linear, RMSNorm, act_dtype, normal_init, rope_tail
 
 
@@ -132,6 +133,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """Lightning indexer of CSA layers: scores completed compressed entries, keeps the top-k."""
     cfg: Config
+    policy: KernelPolicy = DEFAULT_POLICY
+    mesh: object = None
 
     @nn.compact
     def __call__(self, x, qr, positions, lcache, lengths, num_new, inv_freq):
@@ -140,7 +143,8 @@ class Indexer(nn.Module):
         b, s, _ = x.shape
         nh, hd, m = cfg.index_n_heads, cfg.index_head_dim, CSA_RATIO
         dt = act_dtype(cfg)
-        q = Linear(cfg, cfg.q_lora_rank, nh * hd, "fp8", name="wq_b")(qr).reshape(b, s, nh, hd)
+        q = Linear(cfg, cfg.q_lora_rank, nh * hd, "fp8", policy=self.policy, mesh=self.mesh,
+                   name="wq_b")(qr).reshape(b, s, nh, hd)
         q = rope_tail(q, positions[..., None], inv_freq, cfg.rope_head_dim)
         q = quant.hadamard_rotate(q)
         if cfg.quant_simulation:

@@ -7,7 +7,10 @@ Weight layout follows the official checkpoint: ``weight [out, in]`` (``y = x @ W
   quantised weights and ``quant_simulation`` the activation is quantised to e4m3 per token per
   128 channels (power-of-two scales) and multiplied with the FP8 weight, f32 accumulation,
   output in the activation dtype. Without simulation (or with plain weights): plain GEMM.
-* ``f32`` family (compressor wkv/wgate, router gate, LM head): stored BF16, used as an f32 GEMM.
+  Quantised weights go through the grouped-GEMM op (``ffi.grouped_gemm``, one group): on a
+  Hopper GPU a kernel that reads the FP8 bytes and their scales, never a BF16 copy.
+* ``f32`` family (compressor wkv/wgate, router gate, LM head): stored BF16, used as an f32 GEMM
+  (``matmul_f32``: BF16 weights are read as they are, the products are exact in f32).
 * ``plain`` family (indexer weights_proj): GEMM in the activation dtype.
 """
 from __future__ import annotations
@@ -21,6 +24,9 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax import quant
+from dsv4_jax.ffi.grouped_gemm import grouped_gemm
+from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
+from .parallel import batch_parallel
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -29,10 +35,25 @@ def act_dtype(cfg: Config):
     return jnp.dtype(cfg.dtype)
 
 
-def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` in true f32 (no TF32 on GPUs), as the reference's f32 ``F.linear``."""
+def _matmul_upcast(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
                       precision=HIGHEST)
+
+
+def _matmul_bf16_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+
+
+def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` in true f32 (no TF32 on GPUs), as the reference's f32 ``F.linear``.
+
+    BF16 ``x`` and ``w`` on a GPU: a BF16 x BF16 product is exact in f32, so the GEMM takes
+    them as they are with f32 accumulation -- the reference's numbers up to the f32 summation
+    order, without writing and reading an f32 copy of the weight (the LM head's is 2 GB) every
+    call. Elsewhere both are upcast (the CPU's bf16 dot sums in another order)."""
+    if x.dtype == w.dtype == jnp.bfloat16:
+        return jax.lax.platform_dependent(x, w, cuda=_matmul_bf16_f32, default=_matmul_upcast)
+    return _matmul_upcast(x, w)
 
 
 def matmul_lowp(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -74,12 +95,33 @@ FP4_CODE_STD = 2.0
 
 
 # ----------------------------------------------------------------------------- modules
+class FP8Weight(nn.Module):
+    """The parameters ``weight [out, in]`` (e4m3) and ``scale`` (E8M0, 128 x 128 blocks) of
+    an FP8-family linear, for modules that run the GEMM themselves (the shared expert's gated
+    GEMM)."""
+    in_features: int
+    out_features: int
+
+    @nn.compact
+    def __call__(self):
+        std = self.in_features ** -0.5
+        w = self.param("weight", fp8_codes_init, (self.out_features, self.in_features))
+        s = self.param("scale", pow2_scale_init(std, FP8_CODE_STD),
+                       (-(-self.out_features // 128), -(-self.in_features // 128)))
+        return w, s
+
+
 class Linear(nn.Module):
-    """``y = x @ W.T`` for one weight family (see module docstring); params ``weight[, scale]``."""
+    """``y = x @ W.T`` for one weight family (see module docstring); params ``weight[, scale]``.
+
+    ``policy``: the ops' ``KernelPolicy``; ``mesh``: the model's mesh (the FP8 GEMM then runs
+    on each device's rows)."""
     cfg: Config
     in_features: int
     out_features: int
     family: str = "fp8"          # "fp8" | "f32" | "plain"
+    policy: KernelPolicy = DEFAULT_POLICY
+    mesh: object = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -90,7 +132,8 @@ class Linear(nn.Module):
             w = self.param("weight", fp8_codes_init, shape)
             s = self.param("scale", pow2_scale_init(std, FP8_CODE_STD),
                            (-(-self.out_features // 128), -(-self.in_features // 128)))
-            return fp8_linear(x, w, s, cfg.quant_simulation)
+            return fp8_linear(x, w, s, cfg.quant_simulation, policy=self.policy,
+                              mesh=self.mesh)
         if self.family == "f32":
             w = self.param("weight", normal_init(std), shape, jnp.bfloat16
                            if cfg.dtype == "bfloat16" else jnp.float32)
@@ -99,21 +142,42 @@ class Linear(nn.Module):
         return matmul_lowp(x, w)
 
 
-def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, simulate: bool) -> jax.Array:
-    """FP8 block-scaled weight GEMM: activations FP8-quantised when ``simulate`` (reference)."""
-    return quantized_matmul(x, quant.dequant_fp8_weight(weight, scale), simulate)
+def grouped_linear(x: jax.Array, w, *, w_up=None, swiglu_limit: float = 0.0,
+                   simulate: bool, policy: KernelPolicy = DEFAULT_POLICY, mesh=None,
+                   groups_last: bool = False) -> jax.Array:
+    """``ffi.grouped_gemm`` on ``x [..., K]`` with rows in equal blocks per group (one group:
+    a dense linear) -> ``[..., N]``; with a ``mesh``, each device runs its own rows.
+
+    ``w`` (and ``w_up``): ``(weight [G, N, K], scale or None)``. ``groups_last``: ``x`` is
+    ``[..., G, K]`` (group g in the second-to-last dim) and so is the result."""
+    groups = w[0].shape[0]
+
+    def run(x, weight, scale, up, up_scale):
+        lead = x.shape[:-2] if groups_last else x.shape[:-1]
+        if groups_last:                         # rows of group g together, g = 0 .. G-1
+            x = jnp.moveaxis(x, -2, 0)
+        rows = x.reshape(-1, x.shape[-1])
+        y = grouped_gemm(rows, None, (weight, scale),
+                         w_up=None if up is None else (up, up_scale),
+                         swiglu_limit=swiglu_limit, simulate=simulate,
+                         implementation=policy.implementation_for("grouped_gemm"),
+                         policy=policy.grouped_gemm)
+        if groups_last:
+            return jnp.moveaxis(y.reshape(groups, *lead, -1), 0, -2)
+        return y.reshape(*lead, -1)
+
+    up, up_scale = (None, None) if w_up is None else w_up
+    if mesh is None:
+        return run(x, *w, up, up_scale)
+    return batch_parallel(lambda x, *r: (run(x, *r),), mesh, (x,), (*w, up, up_scale), 1)[0]
 
 
-def quantized_matmul(x: jax.Array, w_f32: jax.Array, simulate: bool) -> jax.Array:
-    """``x @ w.T`` for a dequantised FP8/FP4 weight, f32 accumulation, output in x's dtype.
-
-    Dequantised weights (code x power of two) and FP8-simulated activations are exact in
-    BF16, so the products are exact with BF16 operands and the only rounding is the f32
-    accumulation -- the same arithmetic as the official FP8 GEMM, and tensor-core friendly.
-    """
-    xin, w = quant.gemm_operands(x, w_f32, simulate)
-    return jnp.einsum("...i,oi->...o", xin, w, preferred_element_type=jnp.float32,
-                      precision=HIGHEST).astype(x.dtype)
+def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, simulate: bool, *,
+               policy: KernelPolicy = DEFAULT_POLICY, mesh=None) -> jax.Array:
+    """FP8 block-scaled weight GEMM: activations FP8-quantised when ``simulate``; the weight
+    is read in its storage format (``grouped_linear``, one group)."""
+    return grouped_linear(x, (weight[None], scale[None]), simulate=simulate, policy=policy,
+                          mesh=mesh)
 
 
 class RMSNorm(nn.Module):

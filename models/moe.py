@@ -24,8 +24,9 @@ from dsv4_jax.config import Config
 from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .parallel import expert_parallel
-from .layers import (Linear, act_dtype, fp4_packed_init, fp8_codes_init, matmul_f32,
-                     normal_init, pow2_scale_init, FP4_CODE_STD, FP8_CODE_STD)
+from .layers import (FP8Weight, Linear, act_dtype, fp4_packed_init, fp8_codes_init,
+                     grouped_linear, matmul_f32, normal_init, pow2_scale_init, FP4_CODE_STD,
+                     FP8_CODE_STD)
 
 
 def moe_op_kwargs(cfg: Config) -> dict:
@@ -101,16 +102,28 @@ class Experts(nn.Module):
 
 
 class Expert(nn.Module):
-    """The shared expert: SwiGLU with FP8-family linears and the same clamp."""
+    """The shared expert: SwiGLU with FP8-family linears and the same clamp. Quantised, it is
+    the routed experts' arithmetic with one expert and weight 1: a gated grouped GEMM (w1, w3
+    and the SwiGLU in one launch on a Hopper GPU) and the w2 GEMM."""
     cfg: Config
+    policy: KernelPolicy = DEFAULT_POLICY
+    mesh: object = None
 
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        gate = Linear(cfg, cfg.dim, cfg.moe_inter_dim, "fp8", name="w1")(x)
-        up = Linear(cfg, cfg.dim, cfg.moe_inter_dim, "fp8", name="w3")(x)
+        d, inter = cfg.dim, cfg.moe_inter_dim
+        if cfg.quantized:
+            w1, w3 = FP8Weight(d, inter, name="w1")(), FP8Weight(d, inter, name="w3")()
+            w2 = FP8Weight(inter, d, name="w2")()
+            one = lambda w: (w[0][None], w[1][None])
+            kw = dict(simulate=cfg.quant_simulation, policy=self.policy, mesh=self.mesh)
+            h = grouped_linear(x, one(w1), w_up=one(w3), swiglu_limit=cfg.swiglu_limit, **kw)
+            return grouped_linear(h, one(w2), **kw)
+        gate = Linear(cfg, d, inter, "fp8", name="w1")(x)
+        up = Linear(cfg, d, inter, "fp8", name="w3")(x)
         h = swiglu(gate, up, cfg.swiglu_limit).astype(x.dtype)
-        return Linear(cfg, cfg.moe_inter_dim, cfg.dim, "fp8", name="w2")(h)
+        return Linear(cfg, inter, d, "fp8", name="w2")(h)
 
 
 def random_hash_table(key, shape, dtype=jnp.int32, *, n_experts: int):
@@ -167,5 +180,6 @@ class MoE(nn.Module):
             xf, token_ids.reshape(-1))
         params = Experts(cfg, name="experts")()
         y = routed_experts(xf, weights, idx, params, cfg, self.mesh, self.policy)
-        y = y + Expert(cfg, name="shared_experts")(xf).astype(jnp.float32)
+        y = y + Expert(cfg, self.policy, self.mesh, name="shared_experts")(xf).astype(
+            jnp.float32)
         return y.astype(x.dtype).reshape(b, s, d)

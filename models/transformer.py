@@ -113,8 +113,9 @@ class MTPBlock(Block):
         cfg = self.cfg
         e = RMSNorm(cfg.dim, cfg.norm_eps, name="enorm")(embedded)
         hs = RMSNorm(cfg.dim, cfg.norm_eps, name="hnorm")(hidden)
-        x = (Linear(cfg, cfg.dim, cfg.dim, "fp8", name="e_proj")(e)[:, :, None, :]
-             + Linear(cfg, cfg.dim, cfg.dim, "fp8", name="h_proj")(hs))
+        x = (Linear(cfg, cfg.dim, cfg.dim, "fp8", self.policy, self.mesh, name="e_proj")(e)[
+                :, :, None, :]
+             + Linear(cfg, cfg.dim, cfg.dim, "fp8", self.policy, self.mesh, name="h_proj")(hs))
         x, lcache, _ = self.block(x, token_ids, lcache, lengths, num_new)
         fn, scale, base = _head_params(self, cfg)
         h = hc_head(x, fn, scale, base, cfg.norm_eps, cfg.hc_eps)

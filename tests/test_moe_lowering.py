@@ -59,13 +59,15 @@ def test_model_step_lowers_to_the_moe_kernel(expert_dtype, tokens, algorithm):
     algorithm = algorithm or ("mma_fp8" if tokens == 1 else "wgmma")   # the model simulates
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
-    # Sparse attention on its reference: every custom call left is the MoE's.
-    policy = KernelPolicy(ops={"sparse_attention": "xla"}, grouped_gemm=gemm)
+    # Sparse attention and the dense linears on their references: every custom call left is
+    # the MoE's.
+    policy = KernelPolicy(ops={"sparse_attention": "xla", "grouped_gemm": "xla"},
+                          grouped_gemm=gemm)
     text = _lower(cfg, tokens, implementation=policy)
     assert CUSTOM_CALL in text and MOE_KERNEL[algorithm] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != algorithm and name in text]
-    policy = KernelPolicy(ops={"sparse_attention": "xla", "moe_experts": "xla"},
-                          grouped_gemm=gemm)
+    policy = KernelPolicy(ops={"sparse_attention": "xla", "grouped_gemm": "xla",
+                               "moe_experts": "xla"}, grouped_gemm=gemm)
     assert CUSTOM_CALL not in _lower(cfg, tokens, implementation=policy)
 
 
@@ -74,7 +76,7 @@ def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(expert_dtype):
     """``GroupedGemmPolicy(prefill_algorithm="wgmma_fp8")``: the prefill step's MoE runs the
     FP8 WGMMA kernel (input features of 512 and 512: even numbers of 128-column blocks)."""
     cfg = dj.Config.tiny(quantized=True, expert_dtype=expert_dtype, dim=512, moe_inter_dim=512)
-    policy = KernelPolicy(ops={"sparse_attention": "xla"},
+    policy = KernelPolicy(ops={"sparse_attention": "xla", "grouped_gemm": "xla"},
                           grouped_gemm=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
     ok, why = _kernel_supports(cfg, 64)     # 256 rows: 32 per expert, prefill tiles
     assert ok, why

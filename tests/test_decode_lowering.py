@@ -1,0 +1,86 @@
+"""The model's decode step lowered for a Hopper GPU (on this CPU machine): every FP8 linear,
+the shared expert and the routed experts run the grouped-GEMM kernels, and no weight-sized
+tensor is converted -- no BF16 (or f32) copy of any weight is written during a step."""
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import dsv4_jax as dj
+from dsv4_jax.ffi import dispatch
+from dsv4_jax.ffi.policy import KernelPolicy
+from dsv4_jax.params import abstract_params
+
+CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
+# cutlass_call lowers each kernel once into a private function; every launch calls it.
+_LAUNCH = re.compile(r"call @call_wrapper(_\d+)?\(")
+# Every FP8 linear within the kernels' limits: input features multiples of 512 (4-byte FP8
+# scale rows), outputs of 128; wo_a's groups hold whole 128-row scale blocks.
+CFG = dj.Config.tiny(quantized=True, dim=512, q_lora_rank=512, moe_inter_dim=512,
+                     o_lora_rank=256)
+BATCH = 2
+_CONVERT = re.compile(r"stablehlo\.convert %\S+ : \(tensor<([0-9x]+)x(\w+)>\)")
+
+
+def _lower(implementation, tokens=1):
+    model = dj.DSV4(CFG, implementation=implementation, runtime_checks=False)
+    params = abstract_params(CFG)
+    cache = jax.eval_shape(lambda: dj.Cache.init(CFG, BATCH, 128))
+    tok = jax.ShapeDtypeStruct((BATCH, tokens), jnp.int32)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
+                   donate_argnums=(2,))
+    with dispatch.cuda_target():
+        return step.trace(params, tok, cache).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _smallest_weight() -> int:
+    """Elements of the smallest quantised weight matrix (one expert's for the experts)."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_params(CFG))
+    sizes = [int(np.prod(v.shape[-2:])) for path, v in leaves
+             if str(path[-1]).strip("[]'\"") == "weight"
+             and v.dtype in (jnp.float8_e4m3fn, jnp.int8)]
+    return min(sizes)
+
+
+def weight_sized_converts(text: str) -> list[str]:
+    """The ``stablehlo.convert`` ops of ``text`` whose operand has at least half the elements
+    of the smallest quantised weight (activations of a decode step are far smaller)."""
+    limit = _smallest_weight() // 2
+    out = []
+    for dims, dtype in _CONVERT.findall(text):
+        if int(np.prod([int(d) for d in dims.split("x")])) >= limit:
+            out.append(f"{dims}x{dtype}")
+    return out
+
+
+def kernel_launches(text: str) -> int:
+    return len(_LAUNCH.findall(text))
+
+
+def test_decode_step_converts_no_weight():
+    text = _lower(None)
+    assert weight_sized_converts(text) == []
+    # The dense linears, the shared expert, the routed experts and attention are kernels.
+    assert kernel_launches(text) >= CFG.n_layers * 7
+
+
+def test_the_check_sees_the_converts_of_the_reference_linears():
+    """With the grouped GEMM on its reference the FP8 weights are dequantised in the step:
+    the check above would see them (it is not vacuous)."""
+    text = _lower(KernelPolicy(ops={"grouped_gemm": "xla"}))
+    converts = weight_sized_converts(text)
+    assert any(c.endswith("f8E4M3FN") for c in converts), converts
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_fp8_linears_lower_to_the_grouped_gemm_kernels(tokens):
+    """Decode (the warp kernels' 8-row tiles) and prefill (WGMMA tiles): the dense linears'
+    launches are there, and gone when the grouped GEMM runs its reference."""
+    text = _lower(KernelPolicy(ops={"moe_experts": "xla", "sparse_attention": "xla"}), tokens)
+    assert kernel_launches(text) >= CFG.n_layers * 6     # wq_a wq_b wkv wo_a wo_b shared
+    assert CUSTOM_CALL not in _lower(
+        KernelPolicy(ops={"moe_experts": "xla", "sparse_attention": "xla",
+                          "grouped_gemm": "xla"}), tokens)
