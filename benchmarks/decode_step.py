@@ -1,9 +1,16 @@
-"""Model-level speed at real DSV4-Flash dims on one GPU: decode step and prefill chunk, per layer.
+"""Model-level speed at real DSV4-Flash dims on one GPU: the generate path, a synced decode
+step and a prefill chunk, per layer.
 
-    python benchmarks/decode_step.py                        # decode + prefill, default selection
+    python benchmarks/decode_step.py --generate --batches 1,8,64 --ctxs 4096,65536
     python benchmarks/decode_step.py --decode --batches 8 --impls auto
     python benchmarks/decode_step.py --prefill --chunks 2048,4096 --no-profile
     python benchmarks/decode_step.py --tiny                 # dry run of every code path (CPU)
+
+Generate (``--generate``, the path users run): ``dj.generate``'s jitted while loop on a cache
+holding ``ctx`` tokens per row (``step_figures.py``): wall time per step, device time and
+kernel launches per step from a profiled loop, the bytes a step must read and its HBM floor,
+per layer and for the big stack, at every ``--ctxs`` x ``--batches``; then the op table of
+one profiled loop of the big stack at ``--profile-batch`` (first ctx).
 
 Reduced stacks of real layers (``Config.flash(quantized=True)`` with ``--layers`` layers, no MTP
 block): weights in checkpoint precision (FP8 + E8M0, packed FP4 experts) generated on the
@@ -44,6 +51,7 @@ import jax.numpy as jnp
 
 from dsv4_jax.ffi.policy import (ALGORITHM_ENV_VAR, IMPLEMENTATION_ENV_VAR, KernelPolicy)
 from dsv4_jax.params import abstract_params
+import step_figures as figures
 
 
 def gib(n) -> float:
@@ -134,7 +142,8 @@ def time_prefill(cfg, policy, params, chunk, runs):
 
 
 # ----------------------------------------------------------------------------- profile
-KERNEL_GROUPS = (("MoE kernel", "GroupedGemm"), ("sparse attention kernel", "SparseAttention"))
+KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
+                 ("sparse attention kernel", "SparseAttention"))
 
 
 def profile_ops(run_once, top: int = 15):
@@ -184,7 +193,7 @@ def profile_table(title, rows, total, step_s):
              "| # | op | total (us) | calls | % of step |", "|---|---|---|---|---|"]
     for i, (name, us, n) in enumerate(rows, 1):
         short = name if len(name) <= 80 else name[:77] + "..."
-        lines.append(f"| {i} | `{short}` | {us:.0f} | {n} | {100 * us / max(total, 1e-9):.1f}% |")
+        lines.append(f"| {i} | `{short}` | {us:.0f} | {n:g} | {100 * us / max(total, 1e-9):.1f}% |")
     return "\n".join(lines)
 
 
@@ -199,6 +208,64 @@ def profile_section(out: list, title: str, once):
 
 
 # ----------------------------------------------------------------------------- sections
+def run_generate(args, base, params_big, out):
+    small, big = args.layers
+    n = big - small
+    lines = [f"### Generate path (`dj.generate`'s while loop), per layer = (t_{big} - t_{small})"
+             f" / {n}; device time and launches from a profiled loop of "
+             f"{figures.PROFILE_STEPS - 1} steps", "",
+             "| impl | ctx | batch | wall/layer (ms) | device/layer (ms) | launches/layer | "
+             f"floor/layer (ms) | of floor | wall L={big} (ms) | device L={big} (ms) | "
+             f"launches L={big} | bytes L={big} (MB) | floor L={big} (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    keep = {}
+    for impl in args.impls:
+        policy = policy_of(impl)
+        for ctx in args.ctxs:
+            for batch in args.batches:
+                fig = {}
+                for layers in (small, big):
+                    cfg = stack_config(base, layers)
+                    params = sub_stack(params_big, layers)
+                    wall, first_s, run = figures.time_generate(cfg, policy, params, batch, ctx,
+                                                               args.steps)
+                    dev_us, launches, totals, counts = figures.generate_profile(run, params)
+                    fig[layers] = (wall, dev_us / 1e6, launches)
+                    print(f"generate {impl} ctx={ctx} batch={batch} L={layers}: wall "
+                          f"{wall * 1e3:.3f} ms/step, device {dev_us / 1e3:.3f} ms/step, "
+                          f"{launches:.0f} launches/step (compile+first {first_s:.0f} s)",
+                          flush=True)
+                    if layers == big and batch == args.profile_batch and ctx == args.ctxs[0]:
+                        keep[impl] = (totals, counts, fig[big][0])
+                    del run
+                cfg_big = stack_config(base, big)
+                bytes_big = figures.step_bytes(cfg_big, range(big), batch, ctx)
+                bytes_per = figures.step_bytes(cfg_big, range(small, big), batch, ctx) / n
+                floor_per = bytes_per / figures.HBM_BYTES_PER_S
+                per = [(fig[big][i] - fig[small][i]) / n for i in range(3)]
+                lines.append(
+                    f"| {impl} | {ctx} | {batch} | {per[0] * 1e3:.3f} | {per[1] * 1e3:.3f} | "
+                    f"{per[2]:.0f} | {floor_per * 1e3:.3f} | {floor_per / max(per[0], 1e-12):.0%}"
+                    f" | {fig[big][0] * 1e3:.2f} | {fig[big][1] * 1e3:.2f} | {fig[big][2]:.0f} | "
+                    f"{bytes_big / 1e6:.0f} | {bytes_big / figures.HBM_BYTES_PER_S * 1e3:.3f} |")
+    out.append("\n".join(lines))
+    print(out[-1], flush=True)
+    if not args.no_profile:
+        for impl, (totals, counts, wall) in keep.items():
+            per = figures.PROFILE_STEPS - 1
+            rows = [(name, us / per, c / per) for name, us in totals.most_common(args.top)
+                    for c in [counts[name]]]
+            for label, key in KERNEL_GROUPS:
+                us = sum(t for name, t in totals.items() if key in name)
+                c = sum(v for name, v in counts.items() if key in name)
+                if c:
+                    rows.append((f"all {label} launches", us / per, c / per))
+            out.append(profile_table(
+                f"generate loop, {impl}, batch {args.profile_batch}, ctx {args.ctxs[0]}, "
+                f"L={big}, per step", rows, sum(totals.values()) / per, wall))
+            print(out[-1], flush=True)
+
+
 def run_decode(args, base, params_big, out):
     small, big = args.layers
     lines = [f"### Decode, ctx {args.ctx}, per layer = (t_{big} - t_{small}) / {big - small}",
@@ -293,8 +360,12 @@ def run_prefill(args, base, params_big, out):
 def parse_args(argv=None):
     ints = lambda s: [int(x) for x in s.split(",")]
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--decode", action="store_true", help="decode section (default: both)")
-    p.add_argument("--prefill", action="store_true", help="prefill section (default: both)")
+    p.add_argument("--generate", action="store_true",
+                   help="the generate path section (default: all three)")
+    p.add_argument("--decode", action="store_true", help="synced step section")
+    p.add_argument("--prefill", action="store_true", help="prefill section")
+    p.add_argument("--ctxs", type=ints, default=[4096], help="generate: cache lengths")
+    p.add_argument("--top", type=int, default=25, help="rows of the op tables")
     p.add_argument("--layers", type=ints, default=[2, 6], help="small,big stack sizes")
     p.add_argument("--batches", type=ints, default=[1, 8, 64])
     p.add_argument("--ctx", type=int, default=4096)
@@ -313,11 +384,12 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="Config.tiny, small sizes (CPU dry run)")
     p.add_argument("--out", help="write the tables to this markdown file")
     a = p.parse_args(argv)
-    if not a.decode and not a.prefill:
-        a.decode = a.prefill = True
+    if not a.decode and not a.prefill and not a.generate:
+        a.decode = a.prefill = a.generate = True
     a.impls = a.impls.split(",")
     if a.tiny:
-        a.ctx, a.steps, a.batches = min(a.ctx, 256), min(a.steps, 3), [1, 2]
+        a.ctx, a.steps, a.batches = min(a.ctx, 256), min(a.steps, 4), [1, 2]
+        a.ctxs = [min(c, 256) for c in a.ctxs]
         a.chunks, a.profile_batch, a.profile_chunk = [16, 64], 2, 64
         a.prefill_runs, a.layers = 1, [2, 4]
     return a
@@ -339,6 +411,8 @@ def main(argv=None):
     print(f"params generated in {time.perf_counter() - t0:.1f} s, "
           f"{gib(stats.get('bytes_in_use', 0)):.1f} GiB in use", flush=True)
     out = []
+    if args.generate:
+        run_generate(args, base, params, out)
     if args.decode:
         run_decode(args, base, params, out)
     if args.prefill:

@@ -1,0 +1,167 @@
+"""Model-level decode figures on the path users run: ``dj.generate``'s while loop, its wall and
+device time per step, kernel launches per step, and the bytes a step must read against the
+HBM floor. Used by ``decode_step.py``.
+
+* Generate path: ``build_programs(plain_method(model, Greedy())).loop`` -- the jitted
+  ``lax.while_loop`` that ``dj.generate`` runs after prefill -- on a cache whose rows already
+  hold ``ctx`` tokens, with no stop token (every row runs its whole budget). One program
+  (compiled for the longest budget) runs two budgets; wall per step = the difference of the
+  two runs over the difference of their step counts (the loop's fixed cost cancels).
+* Device time and launches: one loop of ``PROFILE_STEPS`` steps traced with the JAX profiler;
+  device time per step = the GPU streams' kernel time / steps, launches per step = their
+  kernel events / steps (kernels inside CUDA graphs are events too).
+* Bytes: what a decode step must read at least -- every weight of the layers except the
+  routed experts, the experts a batch of ``B`` tokens touches in expectation
+  (``E (1 - (1 - k / E)^B)`` of them), the LM head, and the cache entries attention and the
+  indexer read; floor = bytes / 4.3 TB/s.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+import dsv4_jax as dj
+from dsv4_jax.decoding import build_programs
+from dsv4_jax.generation import plain_method
+from dsv4_jax.params import abstract_params
+
+HBM_BYTES_PER_S = 4.3e12
+PROFILE_STEPS = 8
+
+
+def filled_cache(cfg, batch: int, ctx: int, max_len: int):
+    """A cache whose rows hold ``ctx`` tokens (lengths set; entries zero -- the same cost)."""
+    cache = dj.Cache.init(cfg, batch, max_len)
+    return cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
+
+
+def generate_loop(cfg, policy, batch: int, ctx: int, steps: int):
+    """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache."""
+    model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
+    programs = build_programs(plain_method(model, dj.Greedy()))
+    first = (5 + 7919 * jnp.arange(batch, dtype=jnp.int32)) % cfg.vocab_size
+    stop = jnp.array([-7], jnp.int32)                  # never sampled: rows run the budget
+
+    def run(params, budget):
+        cache = filled_cache(cfg, batch, ctx, ctx + steps + 8)
+        out, _, _, _ = programs.loop(params, first, jnp.zeros((batch,), jnp.float32), first,
+                                     cache, jax.random.key(0), stop, jnp.int32(budget),
+                                     steps=steps)
+        return out
+    return run
+
+
+def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats: int = 3):
+    """Wall seconds per step of the generate loop (median over ``repeats`` of the two-budget
+    difference) and the compile + first-run seconds."""
+    run = generate_loop(cfg, policy, batch, ctx, steps)
+    short = max(2, steps // 4)
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run(params, steps))
+    first_s = time.perf_counter() - t0
+    assert int(jnp.sum(out >= 0)) == batch * steps, "a row stopped before its budget"
+    per_step = []
+    for _ in range(repeats):
+        times = {}
+        for budget in (short, steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(params, budget))
+            times[budget] = time.perf_counter() - t0
+        per_step.append((times[steps] - times[short]) / (steps - short))
+    return statistics.median(per_step), first_s, run
+
+
+def trace_device_ops(run_once):
+    """``run_once()`` under the JAX profiler: ``Counter`` of total us and of calls per device
+    op name (GPU streams; on a CPU-only run the XLA ops of the host threads)."""
+    log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
+    run_once()
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        run_once()
+    files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+    totals, counts = collections.Counter(), collections.Counter()
+    if not files:
+        return totals, counts
+    with gzip.open(files[0]) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
+    pids = gpu or {pid for pid, n in names.items() if "/host:CPU" in n}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
+            if not gpu and not e.get("args", {}).get("hlo_op"):
+                continue
+            totals[e["name"]] += e["dur"]
+            counts[e["name"]] += 1
+    return totals, counts
+
+
+def generate_profile(run, params, steps: int = PROFILE_STEPS):
+    """Device us per step, launches per step and the op table of a ``steps``-step loop."""
+    totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)))
+    per = steps - 1                                   # the loop runs budget - 1 model steps
+    return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
+
+
+# ----------------------------------------------------------------------------- bytes
+def _nbytes(leaf) -> int:
+    return int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+
+
+def layer_weight_bytes(cfg, layer: int) -> tuple[int, int]:
+    """(bytes of layer ``layer``'s weights other than the routed experts, bytes of one routed
+    expert's three projections with scales)."""
+    params = abstract_params(cfg)[f"layers_{layer}"]
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    dense = sum(_nbytes(v) for p, v in flat if "experts" not in jax.tree_util.keystr(p)
+                or "shared_experts" in jax.tree_util.keystr(p))
+    experts = sum(_nbytes(v) for p, v in flat if "['experts']" in jax.tree_util.keystr(p))
+    return dense, experts // cfg.n_routed_experts
+
+
+def touched_experts(cfg, tokens: int) -> float:
+    """Expected distinct routed experts of ``tokens`` independent tokens."""
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def cache_read_bytes(cfg, layer: int, batch: int, ctx: int) -> int:
+    """Cache bytes one decode step of layer ``layer`` reads: the window, the compressed
+    entries attention attends (CSA: the top-k, HCA: all) and the indexer keys it scores."""
+    c, item = cfg.head_dim, jnp.dtype(cfg.dtype).itemsize
+    kind = cfg.layer_kind(layer)
+    entries = cfg.window_size
+    keys = 0
+    if kind == "csa":
+        n = ctx // 4
+        entries += min(cfg.index_topk, n)
+        keys = n * cfg.index_head_dim * item
+    elif kind == "hca":
+        entries += ctx // 128
+    return batch * (entries * c * item + keys)
+
+
+def step_bytes(cfg, layers, batch: int, ctx: int) -> int:
+    """Bytes the decode step of the given layers must read (no embedding or head)."""
+    total = 0
+    for i in layers:
+        dense, per_expert = layer_weight_bytes(cfg, i)
+        total += dense + int(touched_experts(cfg, batch) * per_expert)
+        total += cache_read_bytes(cfg, i, batch, ctx)
+    return total
+
+
+def head_bytes(cfg) -> int:
+    return cfg.vocab_size * cfg.dim * jnp.dtype(cfg.dtype).itemsize
