@@ -22,6 +22,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -46,18 +47,23 @@ def filled_cache(cfg, batch: int, ctx: int, max_len: int):
 
 
 def generate_loop(cfg, policy, batch: int, ctx: int, steps: int):
-    """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache."""
+    """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache:
+    ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text."""
     model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
     programs = build_programs(plain_method(model, dj.Greedy()))
     first = (5 + 7919 * jnp.arange(batch, dtype=jnp.int32)) % cfg.vocab_size
     stop = jnp.array([-7], jnp.int32)                  # never sampled: rows run the budget
 
-    def run(params, budget):
+    def args(params, budget):
         cache = filled_cache(cfg, batch, ctx, ctx + steps + 8)
-        out, _, _, _ = programs.loop(params, first, jnp.zeros((batch,), jnp.float32), first,
-                                     cache, jax.random.key(0), stop, jnp.int32(budget),
-                                     steps=steps)
-        return out
+        return (params, first, jnp.zeros((batch,), jnp.float32), first, cache,
+                jax.random.key(0), stop, jnp.int32(budget))
+
+    def run(params, budget):
+        return programs.loop(*args(params, budget), steps=steps)[0]
+
+    run.hlo = lambda params: programs.loop.lower(*args(params, 2), steps=steps).compile(
+    ).as_text()
     return run
 
 
@@ -113,6 +119,53 @@ def generate_profile(run, params, steps: int = PROFILE_STEPS):
     totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)))
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_LAYER = re.compile(r"layers_\d+")
+
+
+def op_sources(hlo_text: str) -> dict[str, str]:
+    """Kernel name (HLO instruction name with '.' as '_') -> the JAX op path of its
+    ``op_name`` metadata (e.g. ``jit(loop)/while/body/DSV4/layers_3/...``)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m, op = _INSTRUCTION.match(line), _OP_NAME.search(line)
+        if m and op:
+            out[m.group(1).replace(".", "_")] = op.group(1)
+    return out
+
+
+def module_of(op_name: str, depth: int = 3) -> str:
+    """The model module an op belongs to: ``layers_*/attn/indexer`` for
+    ``.../DSV4/layers_3/layers_3.block/attn/indexer/top_k`` (layers merged, at most ``depth``
+    parts; the last part of an op path is the primitive itself)."""
+    parts = op_name.split("/DSV4/", 1)[-1].split("/")[:-1]
+    keep = []
+    for p in parts:
+        if any(c in p for c in "(),>=") or p in ("cond", "branch_0_fun", "branch_1_fun"):
+            break                                   # past the modules: an einsum, a jit
+        if p.endswith(".block") or p.startswith("DSV4."):
+            continue
+        keep.append(_LAYER.sub("layers_*", p).replace("layers_*._", ""))
+    return "/".join(keep[:depth]) or "(step)"
+
+
+def attribute(totals, counts, hlo_text: str, steps: int, depth: int = 3):
+    """``[(module, us per step, launches per step)]`` of a traced loop, by the op path of each
+    kernel (CuTe kernels by their class: their launches sit in ``call_wrapper`` functions)."""
+    sources = op_sources(hlo_text)
+    us, n = collections.Counter(), collections.Counter()
+    for name, t in totals.items():
+        if "kernel_cutlass" in name:
+            key = ("kernel: grouped GEMM" if "GroupedGemm" in name else
+                   "kernel: sparse attention")
+        else:
+            key = module_of(sources.get(name.replace(".", "_"), "(unknown)/?"), depth)
+        us[key] += t / steps
+        n[key] += counts[name] / steps
+    return sorted(((k, us[k], n[k]) for k in us), key=lambda r: -r[2])
 
 
 # ----------------------------------------------------------------------------- bytes
