@@ -84,7 +84,8 @@ def random_bytes(key, shape):
     """Random uint8 ``shape`` [G, ...], drawn group by group as uint32 words: one draw of the
     whole stack (``jax.random.bits`` of uint8 draws a uint32 per byte) had temporaries of
     several times the stack at Pro dims and ran the GPU out of memory after other cases had
-    run in the same process."""
+    run in the same process (docs/performance_history.md, "GPU tests, fourth to seventh
+    sessions")."""
     g, *rest, n = shape
     words = jax.lax.map(lambda i: jax.random.bits(jax.random.fold_in(key, i), (*rest, n // 4),
                                                   jnp.uint32), jnp.arange(g))
@@ -236,7 +237,7 @@ def moe_experts_jit(implementation: str | None, kw: dict,
     """``moe_experts`` jitted under ``implementation`` and ``policy`` with numerics ``kw``,
     taking ``MoeCase.args``. The weights are arguments: closed over, jax on the GPU made
     them constants of the program, and compiling GBs of constants was most of a Flash/Pro
-    case's time (docs/performance.md)."""
+    case's time (docs/performance_history.md, "GPU tests, fourth to seventh sessions")."""
     return jax.jit(lambda x, i, w, w1, w3, w2: moe_experts(
         x, i, w, w1, w3, w2, **kw, implementation=implementation, policy=policy))
 
