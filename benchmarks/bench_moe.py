@@ -85,7 +85,7 @@ def bench_case(name, dims, weights, tokens, kind, args, on_gpu):
     touched = float(np.mean([cases.touched_groups(s[1]) for s in sets]))
     nbytes = touched * cases.bytes_per_group(*weights)
     row = dict(shape=name, weights=args.weights, T=tokens, routing=kind, touched=touched,
-               reps=reps, nbytes=nbytes, flops=cases.moe_flops(tokens, dims))
+               reps=reps, nbytes=nbytes, flops=cases.moe_flops(tokens * dims.k, dims))
     decode = tokens * dims.k <= WARP_ROWS_PER_EXPERT * dims.experts
     algorithms = args.algorithms.split(",") if decode else [args.prefill_algorithm]
     runs = ([("cute", a) for a in algorithms] if on_gpu else []) + (

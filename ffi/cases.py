@@ -357,8 +357,8 @@ def touched_groups(ids) -> int:
     return int(np.unique(ids[ids >= 0]).size)
 
 
-def moe_flops(tokens: int, dims: str | MoeDims, mats: int = 3) -> int:
-    """Useful FLOPs of ``tokens`` tokens through ``mats`` of the three expert matrices
-    (2 T k d inter each; no padding, no dropped rows)."""
+def moe_flops(rows: int, dims: str | MoeDims, mats: int = 3) -> int:
+    """Useful FLOPs of ``rows`` (token, expert) assignments through ``mats`` of the three
+    expert matrices: 2 rows d inter each (no padding; T k rows for T tokens)."""
     d = dims_of(dims)
-    return 2 * tokens * d.k * mats * d.dim * d.moe_inter_dim
+    return 2 * rows * mats * d.dim * d.moe_inter_dim
