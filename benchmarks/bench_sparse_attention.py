@@ -12,7 +12,7 @@ one execution streams well past the L2; executions are issued back to back (disp
 overlaps the previous execution) and the median over groups of the mean time per execution,
 divided by R, is reported. The XLA reference is timed the same way in the same process.
 
-Roofline (H200): 790 TF/s bf16 dense, 4.3 TB/s HBM. FLOPs = 4 T H (K + K2) 512; effective
+Roofline (H200, ``timing.PEAK_TFLOPS`` bf16 dense, ``timing.PEAK_TBPS`` HBM). FLOPs = 4 T H (K + K2) 512; effective
 bytes = unique entry bytes + Q + O + lse.
 """
 from __future__ import annotations
@@ -20,18 +20,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi.sparse_attention import sparse_attention_cute, sparse_attention_reference
 from dsv4_jax.kernels.sparse_attention_config import ABLATIONS, SparseAttentionSm90Config
+from timing import PEAK_TBPS, PEAK_TFLOPS, back_to_back_seconds
 
-PEAK_TFLOPS = 790.0
-PEAK_TBPS = 4.3
 SCALE = 512 ** -0.5
 SHAPES = {"pro": dict(heads=128, window=128, extra=1024),
           "flash": dict(heads=64, window=128, extra=512)}
@@ -65,14 +62,7 @@ def parse_config(text):
 
 def timed(fn, args, groups=7, per_group=10):
     """Median over groups of the mean time of back-to-back executions (dispatch overlaps)."""
-    jax.block_until_ready(fn(*args))
-    means = []
-    for _ in range(groups):
-        t0 = time.perf_counter()
-        outs = [fn(*args) for _ in range(per_group)]
-        jax.block_until_ready(outs)
-        means.append((time.perf_counter() - t0) / per_group)
-    return statistics.median(means)
+    return back_to_back_seconds(fn, *args, groups=groups, per_group=per_group)
 
 
 def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=True):

@@ -2,24 +2,32 @@
 the gated (w1/w3) launch alone and the whole op ``moe_experts`` (schedule, activation
 quantisation, gathers, both launches, the sum into tokens), for each token count.
 
-    source .device/setup.sh && python3 benchmarks/profile_moe.py 1,8,64 [mma_sync|mma_fp8|wgmma]
+    source .device/setup.sh && python3 benchmarks/profile_moe.py 1,8,64 \
+        [--algorithm mma_sync|mma_fp8|wgmma]
+    python3 benchmarks/profile_moe.py 1,8 --tiny       # dry run (CPU): the op on XLA only
 
 Or, for Nsight Compute, the gated launch alone (``ncu ... -k regex:GroupedGemm``):
 
-    python3 benchmarks/profile_moe.py 8 mma_sync --launch-only
+    python3 benchmarks/profile_moe.py 8 --algorithm mma_sync --launch-only
+
+``--algorithm``: the ``GroupedGemmPolicy`` decode algorithm; inputs are
+``dsv4_jax.ffi.cases.moe_case("flash", "fp4", T, "random")``, the launch alone
+``cases.grouped_launch``.
 """
-import os
-import sys
+from __future__ import annotations
 
+import argparse
+
+import dsv4_jax  # noqa: F401  (first: XLA flags)
 import jax
-import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_step import profile_ops  # noqa: E402
-from moe_kernel_ablation import setup  # noqa: E402
-from moe_kernel_check import LIMIT, launch  # noqa: E402
+from dsv4_jax.ffi import cases
+from dsv4_jax.ffi.moe_sm90 import moe_config
+from dsv4_jax.ffi.policy import GroupedGemmPolicy
+from dsv4_jax.kernels.grouped_gemm_config import ALGORITHMS, DEFAULT_DECODE_ALGORITHM
+from decode_step import profile_ops   # decode_step.py's trace reader (its owner keeps it there)
 
-from dsv4_jax.ffi import moe as ms  # noqa: E402
+FMT = "fp4"
 
 
 def print_ops(title, rows, total):
@@ -28,35 +36,44 @@ def print_ops(title, rows, total):
         print(f"  {us:9.1f} us {count:4d}x  {name[:100]}")
 
 
-def main():
-    token_counts = [int(v) for v in sys.argv[1].split(",")]
-    algorithm = sys.argv[2] if len(sys.argv) > 2 else ms.decode_algorithm()
-    os.environ[ms.ALGORITHM_ENV_VAR] = algorithm
-    for tokens in token_counts:
-        w1, w3, w2, xa, ea, wa, touched = setup(tokens)
-        experts = w1[0].shape[0]
-        config = ms.choose_config(xa.shape[0], experts, "fp4", algorithm)
-        order, _, *tiles = ms.moe_schedule(ea, experts, config.block_n)
-        # Weights are arguments, not constants folded into the program.
-        up = jax.jit(lambda xs, schedule, rw, w1, w3: launch(
-            xs, schedule, *w1, config, weight_b=w3[0], scale_b=w3[1], route_w=rw,
-            swiglu_limit=LIMIT))
-        args = (xa[order], (order, *tiles), wa[order], w1, w3)
-        if "--launch-only" in sys.argv:
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("tokens", help="comma-separated token counts")
+    p.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM, choices=ALGORITHMS,
+                   help="decode algorithm (GroupedGemmPolicy)")
+    p.add_argument("--launch-only", action="store_true",
+                   help="run the gated launch a few times, untraced (for Nsight Compute)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny dims; without a GPU the op runs its XLA reference, no launch")
+    args = p.parse_args(argv)
+    dims = cases.DIMS["tiny" if args.tiny else "flash"]
+    dry = jax.devices()[0].platform != "gpu"
+    if dry and not args.tiny:
+        raise SystemExit("profile_moe.py: no GPU; --tiny runs a dry run of the script")
+    policy = GroupedGemmPolicy(decode_algorithm=args.algorithm)
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        case = cases.moe_case(dims, FMT, tokens, "random")
+        p = case.weights
+        xa, ea, wa = cases.assignment_rows(case.x, case.idx, case.w)
+        config = moe_config(ea.size, p["w1"], p["w2"], simulate=True, policy=policy)
+        up, up_args = cases.grouped_launch(xa, ea, p["w1"], w_up=p["w3"], row_weights=wa,
+                                           config=config, simulate=True)
+        touched = cases.touched_groups(case.idx)
+        if dry:
+            print(f"T={tokens} gated launch {config} ({touched} experts): built, not "
+                  f"launched (no GPU)")
+        elif args.launch_only:
             for _ in range(4):
-                jax.block_until_ready(up(*args))
+                jax.block_until_ready(up(*up_args))
             print("done", tokens, config)
             continue
-        print_ops(f"T={tokens} gated launch {config} ({touched} experts)",
-                  *profile_ops(lambda: jax.block_until_ready(up(*args))))
-        x = xa[::6]
-        idx = ea.reshape(tokens, 6)
-        route_w = jnp.full(idx.shape, 0.5, jnp.float32)
-        op = jax.jit(lambda x, i, w, w1, w3, w2: ms.moe_experts(
-            x, i, w, w1, w3, w2, swiglu_limit=LIMIT, quantized=True, simulate=True,
-            implementation="cute"))
-        print_ops(f"T={tokens} op moe_experts", *profile_ops(
-            lambda: jax.block_until_ready(op(x, idx, route_w, w1, w3, w2)), top=25))
+        else:
+            print_ops(f"T={tokens} gated launch {config} ({touched} experts)",
+                      *profile_ops(lambda: jax.block_until_ready(up(*up_args))))
+        impl = "xla" if dry else "cute"
+        op = cases.moe_experts_jit(impl, case.kw, policy)
+        print_ops(f"T={tokens} op moe_experts ({impl})", *profile_ops(
+            lambda: jax.block_until_ready(op(*case.args)), top=25))
 
 
 if __name__ == "__main__":

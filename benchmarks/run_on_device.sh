@@ -39,7 +39,7 @@ if [[ $what == moe ]]; then
   # Exactness and timings of both decode algorithms, then the op benchmark (GPU tests:
   # the moe_tests mode); each step bounded so that one device call finishes them all.
   for alg in ${MOE_ALGORITHMS:-wgmma mma_sync mma_fp8}; do
-    DSV4_MOE_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py \
+    timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py --algorithm "$alg" \
       2>&1 | grep -v Warning | tee "$OUT/moe_check_$alg.log"
   done
   [[ ${MOE_BENCH:-1} == 0 ]] || timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/bench_moe.py --quick --tokens 1,8,64,4096 \
@@ -48,8 +48,8 @@ fi
 if [[ $what == moe_prefill ]]; then
   # Prefill tiles: exactness + Flash/Pro timings per algorithm, then the ablations at 4096.
   for alg in ${PREFILL_ALGORITHMS:-wgmma_fp8 wgmma}; do
-    DSV4_MOE_PREFILL_ALGORITHM=$alg timeout ${CHECK_TIMEOUT:-150} python3 \
-      benchmarks/moe_kernel_check.py --prefill 2>&1 | grep -v Warning | tee "$OUT/moe_prefill_$alg.log"
+    timeout ${CHECK_TIMEOUT:-150} python3 benchmarks/moe_kernel_check.py --prefill \
+      --prefill-algorithm "$alg" 2>&1 | grep -v Warning | tee "$OUT/moe_prefill_$alg.log"
   done
   (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py \
     ${ABLATION_TOKENS:-4096} 2>&1 \
@@ -121,7 +121,7 @@ if [[ $what == moe_detail ]]; then
   tokens=${1:-8}; alg=${2:-mma_sync}
   (cd benchmarks && timeout ${ABLATION_TIMEOUT:-150} python3 moe_kernel_ablation.py "$tokens" ${ABLATION_ARGS:---warp-only} 2>&1 \
     | grep -v Warning | tee "$OUT/moe_ablation.log")
-  (cd benchmarks && timeout ${TRACE_TIMEOUT:-120} python3 profile_moe.py 1,8,64 "$alg" 2>&1 \
+  (cd benchmarks && timeout ${TRACE_TIMEOUT:-120} python3 profile_moe.py 1,8,64 --algorithm "$alg" 2>&1 \
     | grep -v Warning | tee "$OUT/moe_trace.log")
   # Only the sections needed, application replay: --set full with kernel replay crashed
   # the process (2026-11-23), and the launch reads GBs of weights that replay would save.
@@ -131,7 +131,7 @@ if [[ $what == moe_detail ]]; then
     --section WarpStateStats --section SchedulerStats --section Occupancy \
     --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats \
     -k regex:GroupedGemm --launch-skip 2 --launch-count 1 -f -o "$OUT/moe_$tokens" \
-    python3 benchmarks/profile_moe.py "$tokens" "$alg" --launch-only \
+    python3 benchmarks/profile_moe.py "$tokens" --algorithm "$alg" --launch-only \
     >"$OUT/ncu_run_moe.log" 2>&1 || tail -20 "$OUT/ncu_run_moe.log"
   ncu_report "moe_$tokens"
 fi

@@ -64,6 +64,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ----------------------------------------------------------------------------- shared fixtures
+# Every implementation of an op: the op test files' shared bodies run once per entry, "cute"
+# (the Hopper kernel) only where the GPU tests run.
+IMPLEMENTATIONS = ["xla", pytest.param("cute", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request):
+    """The ``implementation=`` an op test body passes: ``"xla"`` or ``"cute"``."""
+    return request.param
+
+
 # Built once per run: every test file that needs a tiny model, its parameters or a tiny
 # official checkpoint takes them from here, so the same programs are not traced and compiled
 # again in each file.

@@ -5,6 +5,7 @@ import pathlib
 
 import pytest
 
+from chat_cases import WEATHER_TOOL, byte_level_tokenizer, call
 from dsv4_jax.chat import (ASSISTANT, BOS, DSML, EOS, FORMAT_TOKENS, LATEST_REMINDER,
                            REASONING_EFFORT_MAX, TASK_TOKENS, THINK_END, THINK_START, USER,
                            encode_chat, parse_completion)
@@ -15,16 +16,6 @@ CASES = sorted(DATA.glob("case_*.json"))
 
 def load(path):
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def call(name, arguments, id_=None):
-    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
-    return out if id_ is None else {"id": id_, **out}
-
-
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 # ----------------------------------------------------------------------------- published examples
@@ -328,20 +319,6 @@ def test_malformed_completions_raise():
 
 
 # ----------------------------------------------------------------------------- tokenizer
-def byte_level_tokenizer(path):
-    """A small tokenizer.json shaped like the official one: byte-level BPE (no merges here), BOS
-    and EOS as special added tokens, the other format tokens as plain added tokens."""
-    tokenizers = pytest.importorskip("tokenizers")
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE({c: i for i, c in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens([BOS, EOS])
-    tok.add_tokens([t for t in FORMAT_TOKENS if t not in (BOS, EOS)])
-    tok.save(str(path / "tokenizer.json"))
-    return tok
-
-
 def test_every_format_token_is_one_id_and_prompts_round_trip(tmp_path):
     from dsv4_jax.tokenizer import HFTokenizer, load_tokenizer
     byte_level_tokenizer(tmp_path)

@@ -14,7 +14,7 @@ from dsv4_jax.chat import DSML, EOS, encode_chat, parse_completion
 from dsv4_jax.decoding import GenerationResult, StreamEvent
 from dsv4_jax.generation import generate, stream
 from dsv4_jax.tokenizer import ByteTokenizer, HFTokenizer
-from test_chat import WEATHER_TOOL, byte_level_tokenizer, call
+from chat_cases import WEATHER_TOOL, byte_level_tokenizer, call
 
 CFG = dj.Config.tiny(dtype="float32", quant_simulation=False)       # test_generate's model
 # each encodes to <= 16 ids with the chat tokens as single ids

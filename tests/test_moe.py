@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 import moe_cases
 from dsv4_jax import quant
+from dsv4_jax.ffi import cases
 from dsv4_jax.ffi import moe as op
 from dsv4_jax.ffi.moe_sm90 import moe_support
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
@@ -252,154 +253,37 @@ def test_cpu_default_path_does_not_import_cutlass():
 
 
 # ----------------------------------------------------------------------------- every implementation
-DIMS = {"tiny": (8, 256, 128, 2),                  # E, d, inter, k: CPU runs of the XLA path
-        "small": (16, 512, 512, 4),                # smallest GPU case (FP8 kernel: in % 512 == 0)
-        "flash": (256, 4096, 2048, 6), "pro": (384, 7168, 3072, 6)}
-
-
-_WEIGHTS: dict = {}
-
-
-@functools.partial(jax.jit, static_argnames="shape")
-def _random_bytes(key, shape):
-    """Random uint8 ``shape`` [E, ...], drawn expert by expert as uint32 words: one draw of
-    the whole stack (``jax.random.bits`` of uint8 draws a uint32 per byte) had 17-34 GB
-    temporaries for one Pro matrix and ran the GPU out of memory after other cases had run
-    in the same process."""
-    e, *rest, n = shape
-    words = jax.lax.map(lambda i: jax.random.bits(jax.random.fold_in(key, i), (*rest, n // 4),
-                                                  jnp.uint32), jnp.arange(e))
-    return jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(shape)
-
-
-def _device_weights(dims, fmt, seed=0):
-    """Random stacked weights generated on the device (no host transfer of GBs), as bytes
-    where the format is bytes: at Pro dims an f32 intermediate of one matrix is 34 GB and
-    took most of a case's time. One set is kept (the cases run grouped by dims and format);
-    the last one is dropped before the next is drawn."""
-    if (dims, fmt, seed) in _WEIGHTS:
-        return _WEIGHTS[dims, fmt, seed]
-    _WEIGHTS.clear()
-    e, d, inter, _ = DIMS[dims]
-    keys = jax.random.split(jax.random.key(seed), 6)
-    out = {}
-    for j, (name, (o, i)) in enumerate((("w1", (inter, d)), ("w3", (inter, d)),
-                                        ("w2", (d, inter)))):
-        kw, ks = keys[2 * j], keys[2 * j + 1]
-        if fmt == "fp4":
-            w = jax.lax.bitcast_convert_type(_random_bytes(kw, (e, o, i // 2)), jnp.int8)
-            s = jnp.exp2(jax.random.randint(ks, (e, o, i // 32), -7, -4).astype(jnp.float32))
-            out[name] = (w, s.astype(quant.E8M0_DTYPE))
-        elif fmt == "fp8":
-            # Every e4m3 code but NaN (S.1111.111 -> S.1111.110 = +-448).
-            w = _random_bytes(kw, (e, o, i))
-            w = jnp.where((w & 0x7F) == 0x7F, w ^ 1, w)
-            s = jnp.exp2(jax.random.randint(ks, (e, o // 128, i // 128), -16, -13).astype(
-                jnp.float32))
-            out[name] = (jax.lax.bitcast_convert_type(w, quant.FP8_DTYPE),
-                         s.astype(quant.E8M0_DTYPE))
-        else:
-            out[name] = ((jax.random.normal(kw, (e, o, i), jnp.bfloat16) * i ** -0.5
-                          ).astype(jnp.bfloat16), None)
-    _WEIGHTS[dims, fmt, seed] = jax.block_until_ready(out)
-    return out
-
-
-def _routing(kind, t, e, k, seed=1):
-    key = jax.random.key(seed + t)
-    k1, k2, k3 = jax.random.split(key, 3)
-    if kind == "one_expert":                       # every row on expert 3 (k=1 per token)
-        idx = jnp.full((t, 1), 3, jnp.int32)
-    else:
-        pool = e if kind in ("random", "dropped") else max(k, 3)   # few_experts: most get 0 rows
-        scores = jax.random.uniform(k1, (t, e)) + jnp.where(jnp.arange(e) < pool, 1.0, 0.0)
-        idx = jax.lax.top_k(scores, k)[1].astype(jnp.int32)
-        if kind == "dropped":
-            idx = jnp.where(jax.random.uniform(k2, idx.shape) < 0.2, -1, idx)
-    return idx, jax.random.uniform(k3, idx.shape, jnp.float32, 0.1, 1.0)
-
-
-@functools.lru_cache(maxsize=4)
-def _reference_chunk_fn(kw_items):
-    """One jitted reference over a chunk of tokens, weights as arguments: compiled once per
-    (chunk shape, weights, numerics) and reused by every token count of a (dims, format)."""
-    kw = dict(kw_items)
-    return jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts_reference(x, i, w, w1, w3, w2,
-                                                                        **kw))
-
-
-def _reference_chunked(x, idx, w, p, **kw):
-    """The reference in chunks of tokens small enough for the gather schedule (bounded
-    memory at real dims; same arithmetic up to the f32 summation order). The chunks run from
-    a Python loop over one compiled chunk program: a jitted ``lax.map`` over the chunks was a
-    new XLA compilation for every token count of a case."""
-    (e, inter, d), k = p["w1"][0].shape, idx.shape[1]
-    if p["w1"][0].dtype in (jnp.int8, jnp.uint8):
-        d *= 2
-    fn = _reference_chunk_fn(tuple(sorted(kw.items())))
-    if idx.size * inter * d <= 4e8:              # small enough for the reference as it is
-        return fn(x, idx, w, p["w1"], p["w3"], p["w2"])
-    # Tokens per chunk: fewer rows than experts, and ~0.4 G weight elements gathered.
-    chunk = max(1, min((e - 1) // k, int(4e8 // (k * inter * d))))
-    t = x.shape[0]
-    pad = (-t) % chunk
-    xs = jnp.pad(x, ((0, pad), (0, 0)))
-    ids = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=-1)
-    ws = jnp.pad(w, ((0, pad), (0, 0)))
-    outs = [fn(xs[s:s + chunk], ids[s:s + chunk], ws[s:s + chunk], p["w1"], p["w3"], p["w2"])
-            for s in range(0, t + pad, chunk)]
-    return jnp.concatenate(outs)[:t]
-
-
-def _rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
-
-
-def case_inputs(impl, dims, fmt, t, routing, simulate=True, policy=None):
-    """One case's weights ``p``, op arguments ``(x, idx, w, w1, w3, w2)``, numerics ``kw``
-    and the jitted op under ``policy`` (a ``GroupedGemmPolicy``). The weights are
-    arguments: closed over, jax 0.11.2 on the GPU made them constants of the program, and
-    compiling GBs of constants took ~170 s of every Flash/Pro case (2-10 s as arguments;
-    measured with benchmarks/moe_case_phases.py, H200, 2026-11-23)."""
-    e, d, inter, k = DIMS[dims]
-    p = _device_weights(dims, fmt)
-    idx, w = _routing(routing, t, e, k)
-    x = jax.random.normal(jax.random.key(7 + t), (t, d), jnp.float32).astype(jnp.bfloat16)
-    kw = dict(swiglu_limit=LIMIT, quantized=fmt != "bf16", simulate=simulate)
-    f = jax.jit(lambda x, i, w, w1, w3, w2: op.moe_experts(x, i, w, w1, w3, w2, **kw,
-                                                           implementation=impl, policy=policy))
-    return p, (x, idx, w, p["w1"], p["w3"], p["w2"]), kw, f
+# Cases by name from dsv4_jax.ffi.cases: dims "tiny" (CPU runs of the XLA path), "small"
+# (the smallest GPU case), "flash" and "pro" (Config.flash() / Config.pro()).
+DIMS = cases.DIMS
 
 
 def check_implementation(impl, dims, fmt, t, routing, simulate=True, policy=None):
-    """Shared body: the op with ``impl`` (and ``policy``) vs the reference on a random
-    routing."""
-    p, args, kw, f = case_inputs(impl, dims, fmt, t, routing, simulate, policy)
-    x, idx, w = args[:3]
-    got = f(*args)
-    again = f(*args)
-    want = _reference_chunked(x, idx, w, p, **kw)
-    got_np = np.asarray(got)
-    assert got.shape == x.shape and got.dtype == jnp.float32
-    assert np.all(np.isfinite(got_np)), "NaN/inf in the output"
-    np.testing.assert_array_equal(got_np, np.asarray(again))       # repeatable, fully written
-    assert _rel_err(got, want) < 1e-2, _rel_err(got, want)
+    """Shared body: the op with ``impl`` (and ``policy``, a ``GroupedGemmPolicy``) vs the
+    reference on the case ``dims-fmt-t-routing`` (``cases.moe_case``)."""
+    case = cases.moe_case(dims, fmt, t, routing, simulate=simulate)
+    f = cases.moe_experts_jit(impl, case.kw, policy)
+    got = f(*case.args)
+    again = f(*case.args)
+    want = cases.moe_reference_chunked(*case.args, **case.kw)
+    assert got.shape == case.x.shape and got.dtype == jnp.float32
+    # Finite, repeatable bit for bit (so fully written), relative error under 1e-2.
+    cases.check_against_reference(got, want, 1e-2, again=again)
     if routing == "dropped":                     # a token with every assignment dropped is 0
-        dead = np.all(np.asarray(idx) < 0, axis=1)
-        np.testing.assert_array_equal(got_np[dead], 0.0)
+        dead = np.all(np.asarray(case.idx) < 0, axis=1)
+        np.testing.assert_array_equal(np.asarray(got)[dead], 0.0)
 
 
-IMPLS = [pytest.param("xla", "tiny", id="xla"),
-         pytest.param("cute", "small", id="cute", marks=pytest.mark.gpu)]
+# The dims each implementation runs the shared cases at (the ``implementation`` fixture,
+# tests/conftest.py): the reference on CPU at tiny dims, the kernel at the smallest GPU dims.
+IMPLEMENTATION_DIMS = {"xla": "tiny", "cute": "small"}
 
 
-@pytest.mark.parametrize("impl, dims", IMPLS)
 @pytest.mark.parametrize("fmt, t, routing", [
     ("fp4", 1, "random"), ("fp8", 3, "dropped"), ("bf16", 8, "few_experts"),
     ("fp4", 64, "one_expert")])
-def test_every_implementation(impl, dims, fmt, t, routing):
-    check_implementation(impl, dims, fmt, t, routing)
+def test_every_implementation(implementation, fmt, t, routing):
+    check_implementation(implementation, IMPLEMENTATION_DIMS[implementation], fmt, t, routing)
 
 
 GPU_CASES = ([("small", f, t, r) for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 64, 4096)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import moe_cases
 from dsv4_jax import quant
-from dsv4_jax.ffi import cute_call as cute_call_module, dispatch, moe as op
+from dsv4_jax.ffi import cases, cute_call as cute_call_module, dispatch, moe as op
 from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
@@ -146,11 +146,10 @@ def test_a_k_split_is_summed_and_gated_like_the_kernel_epilogue(monkeypatch, gat
     pytest.importorskip("cutlass")       # the launch imports the kernel module
     e, n, k, rows, split = 3, 64, 1024, 7, 4
     rng = np.random.default_rng(0)
-    ws = {name: (jnp.asarray(rng.integers(-128, 128, (e, n, k // 2)), jnp.int8),
-                 jax.lax.bitcast_convert_type(
-                     jnp.asarray(rng.integers(118, 124, (e, n, k // 32)), jnp.uint8),
-                     quant.E8M0_DTYPE))
-          for name in ("w1", "w3")}
+    keys = jax.random.split(jax.random.key(0), 4)
+    ws = {name: cases.random_weight("fp4", keys[2 * j], keys[2 * j + 1], e, n, k,
+                                    exponents=(-9, -4))
+          for j, name in enumerate(("w1", "w3"))}
     ea = jnp.asarray(rng.integers(0, e, rows), jnp.int32)
     order, _, *tiles = gemm.schedule(ea, e, 8)
     sched = tuple(tiles)

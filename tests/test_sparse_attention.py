@@ -14,13 +14,8 @@ from dsv4_jax.ffi import sparse_attention, sparse_attention_reference
 from dsv4_jax.ffi.sparse_attention import SparseAttentionSm90Config, sparse_attention_cute
 
 SCALE = 512 ** -0.5
-# Every implementation of the op; the shared tests below run once per entry.
-IMPLEMENTATIONS = ["xla", pytest.param("cute", marks=pytest.mark.gpu)]
-
-
-@pytest.fixture(params=IMPLEMENTATIONS)
-def implementation(request):
-    return request.param
+# The shared tests below take the ``implementation`` fixture (tests/conftest.py): once per
+# implementation of the op.
 
 
 def numpy_attention(q, kv, idx, sink, extra_kv=None, extra_idx=None, scale=SCALE):
