@@ -207,6 +207,16 @@ def profile_section(out: list, title: str, once):
     print(out[-1], flush=True)
 
 
+def attribution_table(title, rows, layers_in_diff):
+    lines = [f"**{title}**", "", "| module | us per step | launches per step |",
+             "|---|---|---|"]
+    for name, us, n in rows:
+        lines.append(f"| `{name}` | {us:.1f} | {n:.1f} |")
+    total_us, total_n = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    lines.append(f"| total | {total_us:.1f} | {total_n:.1f} |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- sections
 def run_generate(args, base, params_big, out):
     small, big = args.layers
@@ -235,6 +245,13 @@ def run_generate(args, base, params_big, out):
                           f"{wall * 1e3:.3f} ms/step, device {dev_us / 1e3:.3f} ms/step, "
                           f"{launches:.0f} launches/step (compile+first {first_s:.0f} s)",
                           flush=True)
+                    if layers == big and batch in args.attribute_batches and ctx == args.ctxs[0]:
+                        rows = figures.attribute(totals, counts, run.hlo(params),
+                                                 figures.PROFILE_STEPS - 1)
+                        out.append(attribution_table(
+                            f"kernels by module, generate loop, {impl}, batch {batch}, ctx "
+                            f"{ctx}, L={big} (layers merged), per step", rows, big - small))
+                        print(out[-1], flush=True)
                     if layers == big and batch == args.profile_batch and ctx == args.ctxs[0]:
                         keep[impl] = (totals, counts, fig[big][0])
                     del run
@@ -379,6 +396,8 @@ def parse_args(argv=None):
                    help="kernel policies to compare, as DSV4_IMPLEMENTATION values (auto = "
                         "the kernels; +ALGORITHM: the decode algorithm)")
     p.add_argument("--profile-batch", type=int, default=8)
+    p.add_argument("--attribute-batches", type=ints, default=[1, 8],
+                   help="generate: batches whose kernels are attributed to modules")
     p.add_argument("--profile-chunk", type=int, default=4096)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--tiny", action="store_true", help="Config.tiny, small sizes (CPU dry run)")
