@@ -8,6 +8,7 @@
 #             and conditionals (WHILE_GRAPHS below)
 #   tests:    GPU tests of the grouped-GEMM op at the model's shapes and of the model
 #   prefill:  decode_step.py --prefill at CHUNKS (4096)
+#   moe_tests: the routed experts' GPU tests (tests/test_moe.py), two processes
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DSV4_KERNEL_CACHE=/tmp/dsv4_kernels
@@ -38,6 +39,14 @@ for what in "$@"; do
         ${TEST_K:+-k "$TEST_K"} tests/test_grouped_gemm.py tests/test_model_gpu.py \
         >"$OUT/gpu_tests.log" 2>&1
       grep -E " passed| failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -30 ;;
+    moe_tests)   # the routed experts' GPU cases, two processes on the one GPU
+      for part in "decode_kernels" "not decode_kernels"; do
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-420} \
+          python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 -k "$part" \
+          tests/test_moe.py >"$OUT/moe_tests_${part// /_}.log" 2>&1 &
+      done
+      wait
+      tail -n 3 "$OUT"/moe_tests_*.log ;;
     *) echo "unknown mode $what"; exit 2 ;;
   esac
 done

@@ -246,8 +246,12 @@ def run_generate(args, base, params_big, out):
                           f"{launches:.0f} launches/step (compile+first {first_s:.0f} s)",
                           flush=True)
                     if layers == big and batch in args.attribute_batches and ctx == args.ctxs[0]:
-                        rows = figures.attribute(totals, counts, run.hlo(params),
-                                                 figures.PROFILE_STEPS - 1)
+                        hlo = run.hlo(params)
+                        rows = figures.attribute(totals, counts, hlo, figures.PROFILE_STEPS - 1)
+                        if args.out:
+                            figures.write_op_table(
+                                f"{os.path.splitext(args.out)[0]}_ops_b{batch}.tsv", totals,
+                                counts, hlo, figures.PROFILE_STEPS - 1)
                         out.append(attribution_table(
                             f"kernels by module, generate loop, {impl}, batch {batch}, ctx "
                             f"{ctx}, L={big} (layers merged), per step", rows, big - small))

@@ -152,20 +152,39 @@ def module_of(op_name: str, depth: int = 3) -> str:
     return "/".join(keep[:depth]) or "(step)"
 
 
+def kernel_sources(totals, hlo_text: str) -> dict[str, str]:
+    """Each traced kernel's op path (CuTe kernels by their class: their launches sit in
+    ``call_wrapper`` functions; unknown names -- copies XLA adds -- as ``(unknown)``)."""
+    sources = op_sources(hlo_text)
+    out = {}
+    for name in totals:
+        if "kernel_cutlass" in name:
+            out[name] = ("kernel: grouped GEMM/x" if "GroupedGemm" in name
+                         else "kernel: sparse attention/x")
+        else:
+            out[name] = sources.get(name.replace(".", "_"), "(unknown)/x")
+    return out
+
+
 def attribute(totals, counts, hlo_text: str, steps: int, depth: int = 3):
     """``[(module, us per step, launches per step)]`` of a traced loop, by the op path of each
-    kernel (CuTe kernels by their class: their launches sit in ``call_wrapper`` functions)."""
-    sources = op_sources(hlo_text)
+    kernel."""
     us, n = collections.Counter(), collections.Counter()
-    for name, t in totals.items():
-        if "kernel_cutlass" in name:
-            key = ("kernel: grouped GEMM" if "GroupedGemm" in name else
-                   "kernel: sparse attention")
-        else:
-            key = module_of(sources.get(name.replace(".", "_"), "(unknown)/?"), depth)
-        us[key] += t / steps
+    for name, path in kernel_sources(totals, hlo_text).items():
+        key = path.split("/")[0] if path.startswith(("kernel:", "(unknown)")) else \
+            module_of(path, depth)
+        us[key] += totals[name] / steps
         n[key] += counts[name] / steps
     return sorted(((k, us[k], n[k]) for k in us), key=lambda r: -r[2])
+
+
+def write_op_table(path: str, totals, counts, hlo_text: str, steps: int) -> None:
+    """Every traced kernel: name, us and launches per step, op path (TSV, by time)."""
+    sources = kernel_sources(totals, hlo_text)
+    with open(path, "w") as f:
+        f.write("kernel\tus_per_step\tlaunches_per_step\top_path\n")
+        for name, t in totals.most_common():
+            f.write(f"{name}\t{t / steps:.2f}\t{counts[name] / steps:.2f}\t{sources[name]}\n")
 
 
 # ----------------------------------------------------------------------------- bytes

@@ -32,7 +32,7 @@ from .grouped_gemm_reference import swiglu
 from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
-           "block_schedule", "launch", "grouped_gemm_cute"]
+           "row_schedule", "use_row_tiles", "block_schedule", "launch", "grouped_gemm_cute"]
 
 _KERNEL_SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(quant.E8M0_DTYPE))
 
@@ -52,13 +52,14 @@ def kernel_weight_format(weight, scale) -> str | None:
 
 
 def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt: str,
-                   k_ins: tuple[int, ...], simulate: bool) -> GroupedGemmSm90Config:
+                   k_ins: tuple[int, ...], simulate: bool,
+                   n_outs: tuple[int, ...] = ()) -> GroupedGemmSm90Config:
     """The kernel config of a call: ``choose_config`` under ``policy`` for ``rows`` rows in
-    ``groups`` groups, launches with input features ``k_ins``."""
+    ``groups`` groups, launches with input features ``k_ins`` and outputs ``n_outs``."""
     policy = policy or GroupedGemmPolicy()
     return choose_config(rows, groups, fmt, decode_algorithm=policy.decode_algorithm,
                          prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
-                         k_ins=k_ins, split_k=policy.split_k)
+                         k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k)
 
 
 def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,
@@ -84,7 +85,7 @@ def support(rows: int, k: int, x_dtype: str, w, w_up=None, *, ragged: bool, simu
     if rows == 0:
         return False, "no rows"
     groups, n = w[0].shape[0], w[0].shape[1]
-    config = resolve_config(policy, rows, groups, fmt, (k,), simulate)
+    config = resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,))
     if not ragged and rows % groups:
         return False, f"{rows} rows in {groups} equal blocks"
     return launch_support(config, fmt, x_dtype, rows, groups, [(w_up is not None, n, k)])
@@ -118,6 +119,24 @@ def schedule(group_ids: jax.Array, groups: int, block_n: int):
     return (order, key[order] < groups, jnp.where(used, g, -1),
             jnp.where(used, row0, 0).astype(jnp.int32),
             jnp.where(used, count, 0).astype(jnp.int32))
+
+
+# A few rows over many groups (decode of the routed experts: T k rows over E experts) need no
+# sort: each row is a tile of its own. Rows that share a group then read its weights once each,
+# which costs little while rows <= groups / ROW_TILE_SHARE (most rows have a group of their own).
+ROW_TILE_SHARE = 4
+
+
+def use_row_tiles(rows: int, groups: int, config: GroupedGemmSm90Config) -> bool:
+    return config.spec.tiles == "decode" and rows * ROW_TILE_SHARE <= groups
+
+
+def row_schedule(group_ids: jax.Array, groups: int):
+    """Every row its own tile, rows in their order: ``(valid [M], tile_group, tile_row0,
+    tile_rows)``, one tile slot per row (dropped ids: group -1, no rows)."""
+    valid = (group_ids >= 0) & (group_ids < groups)
+    return (valid, jnp.where(valid, group_ids, -1).astype(jnp.int32),
+            jnp.arange(group_ids.shape[0], dtype=jnp.int32), valid.astype(jnp.int32))
 
 
 def block_schedule(rows: int, groups: int, block_n: int):
@@ -210,9 +229,9 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     """``grouped_gemm`` on the Hopper kernel (see the module docstring). ``config``: a kernel
     variant for tests and benchmarks (its ablations), else ``resolve_config(policy)``'s."""
     rows, k = x.shape
-    groups = w[0].shape[0]
+    groups, n = w[0].shape[0], w[0].shape[1]
     fmt = kernel_weight_format(*w)
-    config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate)
+    config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,))
     gated = w_up is not None
     if group_ids is None:
         order = valid_sorted = None

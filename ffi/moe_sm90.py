@@ -3,7 +3,9 @@ the assignment rows sorted once by expert.
 
 ``moe_expert_rows_cute`` computes what the reference computes for assignment rows:
 
-1. the schedule (``grouped_gemm_sm90.schedule``): rows sorted by expert, dropped ids last;
+1. the schedule (``grouped_gemm_sm90.schedule``): rows sorted by expert, dropped ids last --
+   or, for a few rows over many experts (decode), every row a tile of its own in assignment
+   order (``row_schedule``: no sort, no gathers by order);
 2. the FP8 1 x 128 simulation (when asked) on the source rows -- the T tokens for
    ``moe_experts``: quantisation is per row, so it commutes with the gather -- and the sorted
    rows gathered from them; launch 1: ``h = bf16(w_r * swiglu(bf16(x w1^T), bf16(x w3^T)))``,
@@ -36,7 +38,8 @@ def moe_config(rows: int, w1, w2, *, simulate: bool,
     if fmt is None:
         return None
     d, inter = w2[0].shape[1], w1[0].shape[1]
-    return gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter), simulate)
+    return gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter), simulate,
+                               (inter, d))
 
 
 def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
@@ -56,12 +59,20 @@ def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
 def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, policy,
                  config):
     """Both launches on assignment rows sorted by expert; row ``a`` reads ``x[source_row[a]]``
-    (``source_row`` None: ``x[a]``). Returns ``order`` and the sorted rows' outputs
-    ``[A, d]`` bf16 (rows of dropped ids are zero)."""
+    (``source_row`` None: ``x[a]``). Returns ``order`` (None: the rows kept their order, one
+    tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the rows' outputs ``[A, d]`` bf16
+    in that order (rows of dropped ids are zero)."""
+    groups = w1[0].shape[0]
     config = config or moe_config(ea.shape[0], w1, w2, simulate=simulate, policy=policy)
-    order, valid_sorted, *tiles = gemm.schedule(ea, w1[0].shape[0], config.block_n)
-    rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
-    rows = order if source_row is None else source_row[order]
+    if gemm.use_row_tiles(ea.shape[0], groups, config):
+        order = None
+        valid_sorted, *tiles = gemm.row_schedule(ea, groups)
+        rw = jnp.where(valid_sorted, wa.astype(jnp.float32), 0.0)
+        rows = source_row
+    else:
+        order, valid_sorted, *tiles = gemm.schedule(ea, groups, config.block_n)
+        rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
+        rows = order if source_row is None else source_row[order]
     xs, x_scale = gemm.quantized_rows(x, rows, config, simulate)
     h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
                     swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
@@ -79,7 +90,9 @@ def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulat
     else ``moe_config`` under ``policy``."""
     order, ys = _sorted_rows(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
                              simulate=simulate, policy=policy, config=config)
-    return jnp.zeros_like(ys).at[order].set(ys).astype(xa.dtype)
+    if order is not None:
+        ys = jnp.zeros_like(ys).at[order].set(ys)
+    return ys.astype(xa.dtype)
 
 
 def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,

@@ -42,11 +42,13 @@ class GroupedGemmPolicy:
       (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
       simulation -- ``"mma_sync"`` runs), ``"mma_sync"``, ``"wgmma"`` or ``"wgmma_fp8"``.
     prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"`` or ``"wgmma_fp8"``.
-    split_k: K split of the decode kernels for at most two tiles of rows (1: none).
+    split_k: K split of the decode kernels for at most two tiles of rows: None (automatic:
+      split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``), or
+      that many splits (1: none).
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
-    split_k: int = 1
+    split_k: int | None = None
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm, ALGORITHMS),
@@ -55,10 +57,11 @@ class GroupedGemmPolicy:
             if value not in valid:
                 raise ValueError(f"GroupedGemmPolicy: {name} must be one of {valid}, got "
                                  f"{value!r}")
-        if (isinstance(self.split_k, bool) or not isinstance(self.split_k, int)
+        if self.split_k is not None and (
+                isinstance(self.split_k, bool) or not isinstance(self.split_k, int)
                 or not 1 <= self.split_k <= MAX_SPLIT_K):
-            raise ValueError(f"GroupedGemmPolicy: split_k must be an integer in "
-                             f"[1, {MAX_SPLIT_K}], got {self.split_k!r}")
+            raise ValueError(f"GroupedGemmPolicy: split_k must be None (automatic) or an "
+                             f"integer in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
 
 
 def _implementation_items(value) -> tuple[tuple[str, str], ...]:

@@ -312,29 +312,67 @@ PREFILL_FP8_CONFIG = GroupedGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_st
                                            algorithm="wgmma_fp8")
 
 
+NUM_SMS = 132            # H100 SXM and H200
+# Rows per group up to which a launch whose WGMMA tiles would leave SMs idle runs the warp
+# kernels' 8-row tiles instead (each weight block then read by up to 16 tiles, through L2).
+WARP_ROWS_FEW_CTAS = 128
+
+
+def _wgmma_block(num_rows: int, num_groups: int) -> int:
+    return (MID_CONFIG if num_rows <= MID_ROWS_PER_EXPERT * num_groups
+            else PREFILL_CONFIG).block_n
+
+
+def auto_split_k(num_rows: int, num_groups: int, weight_format: str, k_ins: tuple[int, ...],
+                 n_outs: tuple[int, ...]) -> int:
+    """The warp kernels' K split that gives at least one CTA per SM: a decode launch of a small
+    matrix (few 64-row output blocks, one or two tiles of rows) otherwise streams its
+    weights through a few SMs. Splits start scale groups (``split_k_blocks``), so at most
+    ``K blocks / scale group`` of them."""
+    if not n_outs or not k_ins:
+        return 1
+    tiles = (min(num_groups, num_rows) if num_groups > 1
+             else -(-num_rows // WARP_TOKENS))
+    ctas = min(n_outs) // BLOCK_M * max(tiles, 1)
+    if ctas >= NUM_SMS:
+        return 1
+    k_blocks = min(k_ins) // BLOCK_K
+    most = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
+    return max(1, min(-(-NUM_SMS // max(ctas, 1)), MAX_SPLIT_K, most))
+
+
 def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   decode_algorithm: str = DEFAULT_DECODE_ALGORITHM,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
                   fp8_activations: bool = True, k_ins: tuple[int, ...] = (),
-                  split_k: int = 1) -> GroupedGemmSm90Config:
+                  n_outs: tuple[int, ...] = (),
+                  split_k: int | None = 1) -> GroupedGemmSm90Config:
     """The one config both launches of a call use (the op checks support with it too).
 
     Decode tiles (8 rows) while the average group holds at most ``WARP_ROWS_PER_EXPERT``
-    rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``, then 128). Decode tiles
-    run ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8 algorithms need
+    rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``, then 128) -- unless
+    those WGMMA tiles would give fewer CTAs than SMs for the launches' output features
+    ``n_outs`` (a dense linear of a small matrix at batch 64) with at most
+    ``WARP_ROWS_FEW_CTAS`` rows per group: then decode tiles too. Decode tiles run
+    ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8 algorithms need
     FP4/FP8 weights and FP8-quantised activations (``fp8_activations``: the simulation is
     on), else they become "mma_sync" / "wgmma"; "wgmma_fp8" also an even number of K blocks
     in each of ``k_ins``, the input features of the launches that will use the config.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     Warp kernels: 6 stages for at most 2 tiles of rows (few CTAs, each must keep more bytes
-    in flight) and K split ``split_k`` ways, else 4 stages; fewer while two CTAs would not
-    fit in an SM."""
+    in flight) and K split ``split_k`` ways (None: ``auto_split_k``), else 4 stages; fewer
+    while two CTAs would not fit in an SM."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
             raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
     decode = num_rows <= WARP_ROWS_PER_EXPERT * num_groups
+    if (not decode and n_outs and num_rows <= WARP_ROWS_FEW_CTAS * num_groups
+            and decode_algorithm in WARP_ALGORITHMS):
+        block = _wgmma_block(num_rows, num_groups)
+        ctas = min(n_outs) // BLOCK_M * num_groups * -(-num_rows // num_groups // block)
+        decode = ctas < NUM_SMS
     fp8_ok = weight_format != "bf16" and fp8_activations
     if decode_algorithm == "mma_fp8" and not fp8_ok:
         decode_algorithm = "mma_sync"
@@ -344,7 +382,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
-            config = dataclasses.replace(config, num_stages=6, split_k=split_k)
+            split = (auto_split_k(num_rows, num_groups, weight_format, k_ins, n_outs)
+                     if split_k is None else split_k)
+            config = dataclasses.replace(config, num_stages=6, split_k=split)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

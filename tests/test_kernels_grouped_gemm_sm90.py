@@ -576,3 +576,30 @@ def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
     assert count(ptx) == (0 if "no_mma" in ablation else count(shipped))
     # The load ablations keep the copies of the first stages: cp.async is still there.
     assert "cp.async" in ptx
+
+
+def test_small_decode_launches_split_k_to_fill_the_gpu():
+    """A dense linear of a small matrix at decode (few 64-row output blocks, one tile of rows)
+    splits K until every SM has a CTA, at most one split per scale group; launches with
+    enough CTAs (the routed experts at T = 1) do not split."""
+    auto = dict(split_k=None, k_ins=(4096,))
+    assert support.choose_config(8, 1, "fp8", n_outs=(512,), **auto).split_k == 8   # wkv
+    assert support.choose_config(1, 1, "fp8", n_outs=(4096,), **auto).split_k == 3  # wo_b
+    assert support.choose_config(8, 1, "fp8", n_outs=(32768,), k_ins=(1024,),
+                                 split_k=None).split_k == 1                          # wq_b
+    assert support.choose_config(6, 256, "fp4", n_outs=(2048, 4096), k_ins=(4096, 2048),
+                                 split_k=None).split_k == 1                  # MoE, T = 1
+    assert support.choose_config(8, 1, "fp8", n_outs=(4096,), k_ins=(2048,),
+                                 split_k=None).split_k == 3                  # shared w2
+    # Splits start scale groups: K = 512 (4 blocks, one FP8 group) cannot split.
+    assert support.choose_config(8, 1, "fp8", n_outs=(512,), k_ins=(512,),
+                                 split_k=None).split_k == 1
+
+
+def test_dense_launches_with_few_wgmma_ctas_take_warp_tiles():
+    """64 rows of a 1024-wide dense linear: one 64-row WGMMA tile gives 16 CTAs, so the
+    warp kernels' 8-row tiles run (128 CTAs); a 32768-wide one keeps WGMMA tiles."""
+    pick = lambda n: support.choose_config(64, 1, "fp8", n_outs=(n,), k_ins=(4096,))
+    assert pick(1024).algorithm == "mma_fp8" and pick(1024).block_n == 8
+    assert pick(32768).algorithm == "wgmma"
+    assert support.choose_config(64, 1, "fp8", k_ins=(4096,)).algorithm == "wgmma"  # no N

@@ -65,10 +65,13 @@ def _inputs(fmt, tokens, seed=3):
 
 @pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
 @pytest.mark.parametrize("tokens, algorithm", [(2, "wgmma"), (3, "mma_sync"), (11, "wgmma"),
-                                               (40, "wgmma")],
-                         ids=["decode", "decode-mma-sync", "decode-many-tiles", "prefill"])
+                                               (40, "wgmma"), (3, "mma_fp8")],
+                         ids=["decode", "decode-mma-sync", "decode-many-tiles", "prefill",
+                              "decode-row-tiles"])
 def test_kernel_path_glue_matches_the_reference(monkeypatch, fmt, tokens, algorithm):
     monkeypatch.setattr(gemm, "launch", emulated_grouped_gemm)
+    if algorithm == "mma_fp8":        # 6 rows over 8 experts: every row a tile of its own
+        monkeypatch.setattr(gemm, "ROW_TILE_SHARE", 1)
     x, idx, w, p = _inputs(fmt, tokens)
     for simulate in ((True, False) if fmt != "bf16" else (False,)):
         kw = dict(swiglu_limit=LIMIT, simulate=simulate,
