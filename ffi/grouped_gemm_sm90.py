@@ -122,13 +122,16 @@ def schedule(group_ids: jax.Array, groups: int, block_n: int):
 
 
 # A few rows over many groups (decode of the routed experts: T k rows over E experts) need no
-# sort: each row is a tile of its own. Rows that share a group then read its weights once each,
-# which costs little while rows <= groups / ROW_TILE_SHARE (most rows have a group of their own).
-ROW_TILE_SHARE = 4
+# sort: each row is a tile of its own. Rows that share a group then read its weights once each:
+# allowed while the expected number of such repeated reads, rows (rows - 1) / (2 groups) for
+# independent rows, is at most ROW_TILE_REPEATS (docs/performance.md: at more, the extra
+# weight bytes cost more than the sort's launches save).
+ROW_TILE_REPEATS = 1.0
 
 
 def use_row_tiles(rows: int, groups: int, config: GroupedGemmSm90Config) -> bool:
-    return config.spec.tiles == "decode" and rows * ROW_TILE_SHARE <= groups
+    return (config.spec.tiles == "decode"
+            and rows * (rows - 1) <= 2 * groups * ROW_TILE_REPEATS)
 
 
 def row_schedule(group_ids: jax.Array, groups: int):

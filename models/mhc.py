@@ -8,49 +8,26 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from dsv4_jax.ffi.hc_sinkhorn import hc_split_sinkhorn
 from .layers import HIGHEST
-
-
-def _sum(c: jax.Array, axis: int) -> jax.Array:
-    """Sum over one axis of size n as a chain of adds in index order (keepdims): elementwise
-    ops that XLA fuses into its neighbours, where a reduce of 4 elements would be a kernel of
-    its own; the same order as XLA's CPU reduction, so the same bits there."""
-    parts = jnp.split(c, c.shape[axis], axis=axis)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
-def _max(c: jax.Array, axis: int) -> jax.Array:
-    parts = jnp.split(c, c.shape[axis], axis=axis)
-    total = parts[0]
-    for part in parts[1:]:
-        total = jnp.maximum(total, part)
-    return total
+from .parallel import batch_parallel
 
 
 def split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, n: int,
-                   iters: int, eps: float):
-    """``hc_split_sinkhorn``: mixes ``[..., (2+n)n]`` -> pre ``[..., n]``, post, comb ``[..., n, n]``.
+                   iters: int, eps: float, *, implementation: str | None = None, mesh=None):
+    """``hc_split_sinkhorn``: mixes ``[..., (2+n)n]`` -> pre ``[..., n]``, post, comb ``[..., n, n]``
+    (the op ``ffi.hc_split_sinkhorn``; with a ``mesh``, each device its own rows).
 
     pre = sigmoid(.) + eps; post = 2 sigmoid(.); comb = row softmax + eps, column
-    normalise, then ``iters - 1`` (row, column) normalisations -- in f32, as the kernel. The
-    iterations are unrolled and the n-wide sums are adds (``_sum``), so the whole chain is
-    one elementwise computation for XLA (a loop of small reductions was dozens of launches
-    per sub-block on a GPU).
+    normalise, then ``iters - 1`` (row, column) normalisations -- in f32, as the kernel.
     """
-    mixes = mixes.astype(jnp.float32)
-    pre = jax.nn.sigmoid(mixes[..., :n] * scale[0] + base[:n]) + eps
-    post = 2.0 * jax.nn.sigmoid(mixes[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = (mixes[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mixes.shape[:-1], n, n)
-    comb = jnp.exp(comb - _max(comb, -1))
-    comb = comb / _sum(comb, -1) + eps
-    comb = comb / (_sum(comb, -2) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (_sum(comb, -1) + eps)
-        comb = comb / (_sum(comb, -2) + eps)
-    return pre, post, comb
+    def run(m, s, b):
+        return hc_split_sinkhorn(m, s, b, n=n, iters=iters, eps=eps,
+                                 implementation=implementation)
+    if mesh is None:
+        return run(mixes, scale, base)
+    return batch_parallel(run, mesh, (mixes,), (scale, base), 3)
 
 
 def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:

@@ -74,8 +74,10 @@ class Block(nn.Module):
     def _mhc_pre(self, x, prefix):
         cfg = self.cfg
         fn, scale, base = self._hc(prefix)
-        pre, post, comb = split_sinkhorn(stream_mixes(x, fn, cfg.norm_eps), scale, base,
-                                         cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        pre, post, comb = split_sinkhorn(
+            stream_mixes(x, fn, cfg.norm_eps), scale, base, cfg.hc_mult,
+            cfg.hc_sinkhorn_iters, cfg.hc_eps,
+            implementation=self.policy.implementation_for("hc_split_sinkhorn"), mesh=self.mesh)
         return collapse(x, pre), post, comb
 
     def block(self, x, token_ids, lcache: LayerCache, lengths, num_new):

@@ -38,6 +38,8 @@ LAZY_BY_DESIGN = {
     ("dsv4_jax.ffi.sparse_attention", "dsv4_jax.ffi.cute_call"),
     ("dsv4_jax.ffi.sparse_attention", "dsv4_jax.kernels.sparse_attention_sm90_kernel"),
     ("dsv4_jax.ffi.grouped_gemm_sm90", "dsv4_jax.ffi.cute_call"),
+    ("dsv4_jax.ffi.hc_sinkhorn_sm90", "dsv4_jax.ffi.cute_call"),
+    ("dsv4_jax.ffi.hc_sinkhorn_sm90", "dsv4_jax.kernels.hc_sinkhorn_sm90"),
     ("dsv4_jax.ffi.grouped_gemm_sm90", "dsv4_jax.kernels.grouped_gemm_sm90_launch"),
     # The command line imports JAX-heavy modules only after its arguments parsed:
     # ``python -m dsv4_jax --help`` must not import JAX (tests/test_cli.py).

@@ -79,8 +79,14 @@ def test_the_check_sees_the_converts_of_the_reference_linears():
 def test_fp8_linears_lower_to_the_grouped_gemm_kernels(tokens):
     """Decode (the warp kernels' 8-row tiles) and prefill (WGMMA tiles): the dense linears'
     launches are there, and gone when the grouped GEMM runs its reference."""
-    text = _lower(KernelPolicy(ops={"moe_experts": "xla", "sparse_attention": "xla"}), tokens)
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "hc_split_sinkhorn": "xla"}
+    text = _lower(KernelPolicy(ops=others), tokens)
     assert kernel_launches(text) >= CFG.n_layers * 6     # wq_a wq_b wkv wo_a wo_b shared
-    assert CUSTOM_CALL not in _lower(
-        KernelPolicy(ops={"moe_experts": "xla", "sparse_attention": "xla",
-                          "grouped_gemm": "xla"}), tokens)
+    assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"grouped_gemm": "xla"}), tokens)
+
+
+def test_every_mhc_split_is_one_kernel_launch():
+    """Two sub-blocks per layer (attention, MoE), one launch each; none on the reference."""
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla"}
+    assert kernel_launches(_lower(KernelPolicy(ops=others))) == 2 * CFG.n_layers
+    assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"hc_split_sinkhorn": "xla"}))

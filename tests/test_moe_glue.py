@@ -71,7 +71,7 @@ def _inputs(fmt, tokens, seed=3):
 def test_kernel_path_glue_matches_the_reference(monkeypatch, fmt, tokens, algorithm):
     monkeypatch.setattr(gemm, "launch", emulated_grouped_gemm)
     if algorithm == "mma_fp8":        # 6 rows over 8 experts: every row a tile of its own
-        monkeypatch.setattr(gemm, "ROW_TILE_SHARE", 1)
+        monkeypatch.setattr(gemm, "ROW_TILE_REPEATS", 10.0)
     x, idx, w, p = _inputs(fmt, tokens)
     for simulate in ((True, False) if fmt != "bf16" else (False,)):
         kw = dict(swiglu_limit=LIMIT, simulate=simulate,

@@ -1,0 +1,118 @@
+"""The mHC split and Sinkhorn normalisation of one sub-block for Hopper (sm_90a), in CuTe DSL.
+
+Computes ``hc_split_sinkhorn`` (``ffi/hc_sinkhorn.py``) for every token, one thread each:
+
+    pre[t]  = sigmoid(mix[t, 0:n] * scale[0] + base[0:n]) + eps
+    post[t] = 2 sigmoid(mix[t, n:2n] * scale[1] + base[n:2n])
+    M       = (mix[t, 2n:] * scale[2] + base[2n:]).view(n, n)
+    M       = softmax_rows(M) + eps;  M = M / (colsum(M) + eps)
+    iters - 1 times:  M = M / (rowsum(M) + eps);  M = M / (colsum(M) + eps)
+
+Why a kernel: the computation is a few hundred flops per token, but as XLA ops it is a chain
+of small reductions and divisions, dozens of launches per sub-block (docs/performance.md).
+
+Dataflow: thread t loads its (2 + n) n mixes (f32) and the shared scale and base, keeps the
+n x n matrix in registers through the iterations (unrolled: n and iters are compile-time),
+and writes pre [T, n], post [T, n] and comb [T, n n]. Sums run in index order; the divisions
+are IEEE f32; sigmoid and exp use ``exp2`` (the reference's numbers to a few ulps).
+
+Constraints: f32 mixes ``[T, (2 + n) n]``, scale ``[3]``, base ``[(2 + n) n]``; n <= 8.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .hc_sinkhorn_config import HcSinkhornSm90Config
+
+LOG2_E = 1.4426950408889634
+
+
+def _exp(x: Float32) -> Float32:
+    return cute.math.exp2(x * Float32(LOG2_E))
+
+
+def _sigmoid(x: Float32) -> Float32:
+    return Float32(1.0) / (Float32(1.0) + _exp(-x))
+
+
+class HcSinkhornSm90:
+    """Static configuration of one compiled kernel (see the module docstring)."""
+
+    def __init__(self, n: int, iters: int, eps: float, config: HcSinkhornSm90Config):
+        self.n = n
+        self.iters = iters
+        self.eps = float(eps)
+        self.threads = config.threads
+
+    @cute.jit
+    def __call__(self, mMix: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
+                 mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
+                 stream: cuda.CUstream):
+        tokens = mMix.shape[0]
+        self.kernel(mMix, mScale, mBase, mPre, mPost, mComb).launch(
+            grid=[(tokens + self.threads - 1) // self.threads, 1, 1],
+            block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mMix: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
+               mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        t = bidx * self.threads + tidx
+        n = self.n
+        eps = Float32(self.eps)
+        if t < mMix.shape[0]:
+            s_pre, s_post, s_comb = mScale[0], mScale[1], mScale[2]
+            for i in cutlass.range_constexpr(n):
+                mPre[t, i] = _sigmoid(mMix[t, i] * s_pre + mBase[i]) + eps
+                mPost[t, i] = Float32(2.0) * _sigmoid(mMix[t, n + i] * s_post + mBase[n + i])
+            m = [[mMix[t, 2 * n + i * n + j] * s_comb + mBase[2 * n + i * n + j]
+                  for j in range(n)] for i in range(n)]
+            for i in cutlass.range_constexpr(n):            # row softmax + eps
+                top = m[i][0]
+                for j in cutlass.range_constexpr(1, n):
+                    top = cute.arch.fmax(top, m[i][j])
+                for j in cutlass.range_constexpr(n):
+                    m[i][j] = _exp(m[i][j] - top)
+                total = m[i][0]
+                for j in cutlass.range_constexpr(1, n):
+                    total = total + m[i][j]
+                for j in cutlass.range_constexpr(n):
+                    m[i][j] = m[i][j] / total + eps
+            self.normalise_columns(m, eps)
+            for _ in cutlass.range_constexpr(self.iters - 1):
+                for i in cutlass.range_constexpr(n):
+                    total = m[i][0]
+                    for j in cutlass.range_constexpr(1, n):
+                        total = total + m[i][j]
+                    total = total + eps
+                    for j in cutlass.range_constexpr(n):
+                        m[i][j] = m[i][j] / total
+                self.normalise_columns(m, eps)
+            for i in cutlass.range_constexpr(n):
+                for j in cutlass.range_constexpr(n):
+                    mComb[t, i * n + j] = m[i][j]
+
+    def normalise_columns(self, m, eps: Float32):
+        """Trace-time helper (plain Python: its loops unroll as the caller traces it)."""
+        n = self.n
+        for j in range(n):
+            total = m[0][j]
+            for i in range(1, n):
+                total = total + m[i][j]
+            total = total + eps
+            for i in range(n):
+                m[i][j] = m[i][j] / total
+
+
+@cute.jit
+def hc_sinkhorn_launcher(stream: cuda.CUstream, mix: cute.Tensor, scale: cute.Tensor,
+                         base: cute.Tensor, pre: cute.Tensor, post: cute.Tensor,
+                         comb: cute.Tensor, *, n: cutlass.Constexpr, iters: cutlass.Constexpr,
+                         eps: cutlass.Constexpr, threads: cutlass.Constexpr = 128):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+    HcSinkhornSm90(n, iters, eps, HcSinkhornSm90Config(threads))(mix, scale, base, pre, post,
+                                                                 comb, stream)
