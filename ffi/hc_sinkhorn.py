@@ -16,7 +16,7 @@ Contract::
 
 All in f32. The reference (``ffi/hc_sinkhorn_reference.py``) is an elementwise chain in XLA;
 the Hopper kernel (``ffi/hc_sinkhorn_sm90.py``) does it in one launch, one thread per token,
-and matches it to a few ulps (its divisions are IEEE; XLA may multiply by a reciprocal).
+and matches it to a few ulps (both scale a row by the reciprocal of its sum).
 """
 from __future__ import annotations
 

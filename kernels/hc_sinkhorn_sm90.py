@@ -13,8 +13,10 @@ of small reductions and divisions, dozens of launches per sub-block (docs/perfor
 
 Dataflow: thread t loads its (2 + n) n mixes (f32) and the shared scale and base, keeps the
 n x n matrix in registers through the iterations (unrolled: n and iters are compile-time),
-and writes pre [T, n], post [T, n] and comb [T, n n]. Sums run in index order; the divisions
-are IEEE f32; sigmoid and exp use ``exp2`` (the reference's numbers to a few ulps).
+and writes pre [T, n], post [T, n] and comb [T, n n]. Sums run in index order; each row or
+column is scaled by one IEEE reciprocal of its sum (as XLA computes a division by a
+broadcast sum: one division per row instead of n, which bounds the thread's serial chain);
+sigmoid and exp use ``exp2`` (the reference's numbers to a few ulps).
 
 Constraints: f32 mixes ``[T, (2 + n) n]``, scale ``[3]``, base ``[(2 + n) n]``; n <= 8.
 """
@@ -80,17 +82,18 @@ class HcSinkhornSm90:
                 total = m[i][0]
                 for j in cutlass.range_constexpr(1, n):
                     total = total + m[i][j]
+                inv = Float32(1.0) / total
                 for j in cutlass.range_constexpr(n):
-                    m[i][j] = m[i][j] / total + eps
+                    m[i][j] = m[i][j] * inv + eps
             self.normalise_columns(m, eps)
             for _ in cutlass.range_constexpr(self.iters - 1):
                 for i in cutlass.range_constexpr(n):
                     total = m[i][0]
                     for j in cutlass.range_constexpr(1, n):
                         total = total + m[i][j]
-                    total = total + eps
+                    inv = Float32(1.0) / (total + eps)
                     for j in cutlass.range_constexpr(n):
-                        m[i][j] = m[i][j] / total
+                        m[i][j] = m[i][j] * inv
                 self.normalise_columns(m, eps)
             for i in cutlass.range_constexpr(n):
                 for j in cutlass.range_constexpr(n):
@@ -103,9 +106,9 @@ class HcSinkhornSm90:
             total = m[0][j]
             for i in range(1, n):
                 total = total + m[i][j]
-            total = total + eps
+            inv = Float32(1.0) / (total + eps)
             for i in range(n):
-                m[i][j] = m[i][j] / total
+                m[i][j] = m[i][j] * inv
 
 
 @cute.jit
