@@ -3,9 +3,11 @@
 # in the order given:
 #   source .device/setup.sh && bash benchmarks/decode_on_device.sh generate [graphs] [tests]
 #   generate: dj.generate's loop per layer at BATCHES (1,8,64) x CTXS (4096), kernels attributed
-#             to the model's modules at ATTRIBUTE (1,8)
-#   graphs:   the same at batch 1 and 8 with XLA command buffers also capturing while loops
-#             and conditionals (WHILE_GRAPHS below)
+#             to the model's modules at ATTRIBUTE (1,8); XLA's default command buffers
+#             (DSV4_COMMAND_BUFFERS=default): the profiler then sees every kernel, so the
+#             device time and launches per step are real
+#   graphs:   wall time per step as users run it (dsv4_jax's flags: the while loop in CUDA
+#             graphs), at BATCHES x CTXS, no profile
 #   tests:    GPU tests of the grouped-GEMM op at the model's shapes and of the model
 #   prefill:  decode_step.py --prefill at CHUNKS (4096)
 #   moe_tests: the routed experts' GPU tests (tests/test_moe.py), two processes
@@ -15,7 +17,6 @@ export PYTHONUNBUFFERED=1 DSV4_KERNEL_CACHE=/tmp/dsv4_kernels
 python3 -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 python3 -c "import jax, dsv4_jax.ffi, cutlass; print('jax', jax.__version__, jax.devices())" || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-WHILE_GRAPHS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 steps=${STEPS:-24}
 run_bench() {  # name, extra XLA flags, timeout, decode_step args...
   local name=$1 flags=$2 limit=$3; shift 3
@@ -26,11 +27,12 @@ run_bench() {  # name, extra XLA flags, timeout, decode_step args...
 }
 for what in "$@"; do
   case $what in
-    generate) run_bench generate "" ${GEN_TIMEOUT:-330} --generate --impls auto \
-                --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps \
-                --attribute-batches ${ATTRIBUTE:-1,8} --top ${TOP:-12} ;;
-    graphs) run_bench graphs "$WHILE_GRAPHS" ${GEN_TIMEOUT:-200} --generate --impls auto \
-              --batches 1,8 --ctxs 4096 --steps $steps --no-profile --attribute-batches 0 ;;
+    generate) DSV4_COMMAND_BUFFERS=default run_bench generate "" ${GEN_TIMEOUT:-330} \
+                --generate --impls auto --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} \
+                --steps $steps --attribute-batches ${ATTRIBUTE:-1,8} --top ${TOP:-12} ;;
+    graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls auto \
+              --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps --no-profile \
+              --attribute-batches 0 ;;
     prefill) run_bench prefill "" ${PREFILL_TIMEOUT:-240} --prefill --impls auto \
                --chunks ${CHUNKS:-4096} --profile-chunk ${CHUNKS:-4096} ;;
     tests)

@@ -7,13 +7,14 @@
     cache = dj.Cache.init(cfg, batch=2, max_len=1024)
     logits, cache = model.apply({"params": params}, tokens, cache)
 
-Importing the package sets XLA's exact-rounding flag (``_xla_flags``) and nothing else: the
+Importing the package sets XLA's flags (``_xla_flags``: exact rounding, decode loops in CUDA
+graphs) and nothing else: the
 names below import their modules (and JAX) on first use, so the command line's ``--help``
 needs no JAX.
 """
 import importlib
 
-from ._xla_flags import EXACT_ROUNDING  # noqa: F401  first: XLA_FLAGS must precede backend creation
+from ._xla_flags import DEVICE_LOOPS, EXACT_ROUNDING  # noqa: F401  first: before any backend
 
 # public name -> (module, attribute; None for the module itself)
 _EXPORTS = {

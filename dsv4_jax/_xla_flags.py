@@ -1,4 +1,6 @@
-"""Make XLA round where the model rounds: ``--xla_allow_excess_precision=false``.
+"""XLA flags the model needs, set before JAX creates its backends.
+
+1. Round where the model rounds: ``--xla_allow_excess_precision=false``.
 
 DSV4's reference numerics round to BF16 after specific operations (norm outputs, mHC
 collapse, GEMM outputs, ...). By default XLA may drop a ``convert(f32->bf16->f32)`` pair when
@@ -7,8 +9,16 @@ shapes: a prefill and the same tokens decoded one by one would then round differ
 disagree by ~0.5% in BF16. With the flag off every written rounding happens, and chunked
 prefill, decode and full forward are bitwise reproducible.
 
-The flag must be in ``XLA_FLAGS`` before JAX creates its backends; importing ``dsv4_jax``
-first does that. Set ``DSV4_ALLOW_EXCESS_PRECISION=1`` to leave XLA_FLAGS untouched.
+2. Run whole decode loops from CUDA graphs: ``--xla_gpu_enable_command_buffer`` with XLA's
+default command types plus ``WHILE`` and ``CONDITIONAL`` (opt-in in XLA), so that the
+``lax.while_loop`` of ``generate`` -- and the ``platform_dependent`` branches inside -- are
+recorded into command buffers instead of being driven from the host step by step
+(docs/performance.md, "Decode step": faster per step at batch 1 and 8).
+
+The flags must be in ``XLA_FLAGS`` before JAX creates its backends; importing ``dsv4_jax``
+first does that. A flag already in ``XLA_FLAGS`` is left as it is;
+``DSV4_ALLOW_EXCESS_PRECISION=1`` leaves the first out, ``DSV4_COMMAND_BUFFERS=default`` the
+second.
 """
 from __future__ import annotations
 
@@ -17,6 +27,8 @@ import sys
 import warnings
 
 FLAG = "--xla_allow_excess_precision=false"
+COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                   "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL")
 
 
 def _backends_initialized() -> bool:
@@ -46,4 +58,16 @@ def ensure_exact_rounding() -> bool:
     return True
 
 
+def ensure_device_loops() -> bool:
+    """Add ``COMMAND_BUFFERS`` to ``XLA_FLAGS`` if possible; returns whether it is in effect."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" in flags:
+        return COMMAND_BUFFERS in flags
+    if os.environ.get("DSV4_COMMAND_BUFFERS") == "default" or _backends_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = (flags + " " + COMMAND_BUFFERS).strip()
+    return True
+
+
 EXACT_ROUNDING = ensure_exact_rounding()
+DEVICE_LOOPS = ensure_device_loops()
