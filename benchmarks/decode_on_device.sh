@@ -32,7 +32,7 @@ for what in "$@"; do
                 --steps $steps --attribute-batches ${ATTRIBUTE:-1,8} --top ${TOP:-12} ;;
     graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls auto \
               --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps --no-profile \
-              --attribute-batches 0 ;;
+              --attribute-batches 0 ${SPECULATIVE:+--speculative} ;;
     prefill) run_bench prefill "" ${PREFILL_TIMEOUT:-240} --prefill --impls auto \
                --chunks ${CHUNKS:-4096} --profile-chunk ${CHUNKS:-4096} ;;
     tests)

@@ -58,18 +58,20 @@ def gib(n) -> float:
     return n / 2 ** 30
 
 
-def stack_config(base: dj.Config, layers: int) -> dj.Config:
+def stack_config(base: dj.Config, layers: int, mtp: bool = False) -> dj.Config:
     # No hash-routed layers: they send equal token ids to equal experts, so a batch would
     # touch fewer experts than in the model's 40 score-routed layers.
-    return base.replace(n_layers=layers, n_mtp_layers=0, n_hash_layers=0,
-                        compress_ratios=base.compress_ratios[:layers])
+    return base.replace(n_layers=layers, n_mtp_layers=int(mtp), n_hash_layers=0,
+                        compress_ratios=base.compress_ratios[:layers] + ((0,) if mtp else ()))
 
 
-def device_params(cfg: dj.Config):
-    """Parameters generated on the default device, leaf by leaf (no host copy)."""
+def device_params(cfg: dj.Config, only: str | None = None):
+    """Parameters generated on the default device, leaf by leaf (no host copy); ``only``: the
+    top-level entries starting with it."""
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree.map(lambda _: dev, abstract_params(cfg))
-    return dj.init_params(cfg, 0, shardings=shardings)
+    params = dj.init_params(cfg, 0, shardings=shardings)
+    return params if only is None else {k: v for k, v in params.items() if k.startswith(only)}
 
 
 def sub_stack(params: dict, layers: int) -> dict:
@@ -271,6 +273,8 @@ def run_generate(args, base, params_big, out):
                     f"{bytes_big / 1e6:.0f} | {bytes_big / figures.HBM_BYTES_PER_S * 1e3:.3f} |")
     out.append("\n".join(lines))
     print(out[-1], flush=True)
+    if args.speculative:
+        run_speculative(args, base, params_big, out)
     if not args.no_profile:
         for impl, (totals, counts, wall) in keep.items():
             per = figures.PROFILE_STEPS - 1
@@ -285,6 +289,30 @@ def run_generate(args, base, params_big, out):
                 f"generate loop, {impl}, batch {args.profile_batch}, ctx {args.ctxs[0]}, "
                 f"L={big}, per step", rows, sum(totals.values()) / per, wall))
             print(out[-1], flush=True)
+
+
+def run_speculative(args, base, params_big, out):
+    """The MTP speculative loop of the big stack + its MTP block: time per generated token
+    (random weights: drafts are rejected, one token per step) against the plain loop."""
+    big = args.layers[1]
+    cfg = stack_config(base, big, mtp=True)
+    params = dict(sub_stack(params_big, big), **device_params(cfg, only="mtp_"))
+    lines = [f"### Speculative (MTP) loop, L={big} + the MTP block, per generated token "
+             "(random weights: drafts are seldom accepted)", "",
+             "| ctx | batch | plain (ms) | speculative (ms) |", "|---|---|---|---|"]
+    for ctx in args.ctxs:
+        for batch in args.batches:
+            t = {}
+            for spec in (False, True):
+                wall, _, run = figures.time_generate(cfg, policy_of(args.impls[0]), params,
+                                                     batch, ctx, args.steps, speculative=spec)
+                t[spec] = wall
+                del run
+            print(f"speculative ctx={ctx} batch={batch}: plain {t[False] * 1e3:.2f} ms, "
+                  f"speculative {t[True] * 1e3:.2f} ms per token", flush=True)
+            lines.append(f"| {ctx} | {batch} | {t[False] * 1e3:.2f} | {t[True] * 1e3:.2f} |")
+    out.append("\n".join(lines))
+    print(out[-1], flush=True)
 
 
 def run_decode(args, base, params_big, out):
@@ -386,6 +414,8 @@ def parse_args(argv=None):
     p.add_argument("--decode", action="store_true", help="synced step section")
     p.add_argument("--prefill", action="store_true", help="prefill section")
     p.add_argument("--ctxs", type=ints, default=[4096], help="generate: cache lengths")
+    p.add_argument("--speculative", action="store_true",
+                   help="generate: also the MTP speculative loop of the big stack")
     p.add_argument("--top", type=int, default=25, help="rows of the op tables")
     p.add_argument("--layers", type=ints, default=[2, 6], help="small,big stack sizes")
     p.add_argument("--batches", type=ints, default=[1, 8, 64])

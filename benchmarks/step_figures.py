@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 from dsv4_jax.decoding import build_programs
 from dsv4_jax.generation import plain_method
+from dsv4_jax.speculative import speculative_method
 from dsv4_jax.params import abstract_params
 
 HBM_BYTES_PER_S = 4.3e12
@@ -46,18 +47,27 @@ def filled_cache(cfg, batch: int, ctx: int, max_len: int):
     return cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
 
 
-def generate_loop(cfg, policy, batch: int, ctx: int, steps: int):
+def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bool = False):
     """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache:
-    ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text."""
+    ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text.
+    ``speculative``: MTP drafting (``speculative_method``; its state comes from a one-token
+    prefill on the filled cache)."""
     model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
-    programs = build_programs(plain_method(model, dj.Greedy()))
+    method = (speculative_method if speculative else plain_method)(model, dj.Greedy())
+    programs = build_programs(method)
     first = (5 + 7919 * jnp.arange(batch, dtype=jnp.int32)) % cfg.vocab_size
     stop = jnp.array([-7], jnp.int32)                  # never sampled: rows run the budget
+    key = jax.random.key(0)
 
     def args(params, budget):
-        cache = filled_cache(cfg, batch, ctx, ctx + steps + 8)
-        return (params, first, jnp.zeros((batch,), jnp.float32), first, cache,
-                jax.random.key(0), stop, jnp.int32(budget))
+        cache = filled_cache(cfg, batch, ctx, ctx + 2 * steps + 8)
+        budget = jnp.int32(budget)
+        if not speculative:
+            return (params, first, jnp.zeros((batch,), jnp.float32), first, cache, key, stop,
+                    budget)
+        tok, tok_lp, state, _, _, cache = programs.prefill(
+            params, first[:, None], jnp.ones((batch,), jnp.int32), cache, key, stop, budget)
+        return params, tok, tok_lp, state, cache, key, stop, budget
 
     def run(params, budget):
         return programs.loop(*args(params, budget), steps=steps)[0]
@@ -67,10 +77,12 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int):
     return run
 
 
-def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats: int = 3):
-    """Wall seconds per step of the generate loop (median over ``repeats`` of the two-budget
-    difference) and the compile + first-run seconds."""
-    run = generate_loop(cfg, policy, batch, ctx, steps)
+def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats: int = 3,
+                  speculative: bool = False):
+    """Wall seconds per generated token of the generate loop (median over ``repeats`` of the
+    two-budget difference; one token per step without speculation) and the compile +
+    first-run seconds."""
+    run = generate_loop(cfg, policy, batch, ctx, steps, speculative)
     short = max(2, steps // 4)
     t0 = time.perf_counter()
     out = jax.block_until_ready(run(params, steps))
