@@ -145,7 +145,8 @@ def time_prefill(cfg, policy, params, chunk, runs):
 
 # ----------------------------------------------------------------------------- profile
 KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
-                 ("sparse attention kernel", "SparseAttention"))
+                 ("sparse attention kernel", "SparseAttention"),
+                 ("mHC split kernel", "HcSinkhorn"))
 
 
 def profile_ops(run_once, top: int = 15):

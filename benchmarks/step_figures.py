@@ -164,6 +164,11 @@ def module_of(op_name: str, depth: int = 3) -> str:
     return "/".join(keep[:depth]) or "(step)"
 
 
+# CuTe kernel class names -> the op they belong to.
+CUTE_KERNELS = (("GroupedGemm", "grouped GEMM"), ("SparseAttention", "sparse attention"),
+                ("HcSinkhorn", "mHC split"))
+
+
 def kernel_sources(totals, hlo_text: str) -> dict[str, str]:
     """Each traced kernel's op path (CuTe kernels by their class: their launches sit in
     ``call_wrapper`` functions; unknown names -- copies XLA adds -- as ``(unknown)``)."""
@@ -171,8 +176,8 @@ def kernel_sources(totals, hlo_text: str) -> dict[str, str]:
     out = {}
     for name in totals:
         if "kernel_cutlass" in name:
-            out[name] = ("kernel: grouped GEMM/x" if "GroupedGemm" in name
-                         else "kernel: sparse attention/x")
+            label = next((label for key, label in CUTE_KERNELS if key in name), "other")
+            out[name] = f"kernel: {label}/x"
         else:
             out[name] = sources.get(name.replace(".", "_"), "(unknown)/x")
     return out
