@@ -2,9 +2,10 @@
 
 Parameters are generated directly on the devices with their shardings (no host copy): routed
 experts (packed FP4 + E8M0) split over the ``expert`` axis, embedding/head over the vocabulary,
-the rest replicated. Then one prefill chunk and a jitted decode loop; reports per-device
-memory (planned by ``dsv4_jax.plan.memory_plan`` for this mesh, then measured), compile times
-and tokens/s. Figures go to stdout and ``$OUT/<model>_multi_gpu.json``.
+the rest replicated. Then one prefill chunk, a synced decode loop (one jitted step per Python
+iteration) and the path users run, ``dj.generate``'s jitted while loop (time per step from a
+long and a short budget); reports per-device memory (planned by ``dsv4_jax.plan.memory_plan``
+for this mesh, then measured), compile times and tokens/s. Figures go to stdout and ``$OUT/<model>_multi_gpu.json``.
 The batch splits over every device: a smaller batch runs padded to one row per device
 (tokens/s counts the real rows only).
 
@@ -29,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import plan, sharding
+from dsv4_jax.decoding import build_programs
+from dsv4_jax.generation import plain_method
 from dsv4_jax.mesh_rules import axis_size
 
 
@@ -137,6 +140,32 @@ def main():
     log(decode_step_median_s=round(med, 4), decode_tokens_per_s=round(args.batch / med, 1),
         decode_steps=len(times), memory_after_decode=device_memory(),
         generated_ids_sample=np.asarray(nxt[:, 0]).tolist())
+
+    # The path users run: dj.generate's jitted while loop from this cache (no stop token, so
+    # every row runs its budget); per step = the difference of a long and a short budget.
+    programs = build_programs(plain_method(model, dj.Greedy()))
+    first, stop, key = nxt[:, 0], jnp.array([-7], jnp.int32), jax.random.key(0)
+
+    def generate(budget):
+        out, _, _, _ = programs.loop(params, first, jnp.zeros(first.shape, jnp.float32), first,
+                                     jax.tree.map(jnp.copy, cache), key, stop,
+                                     jnp.int32(budget), steps=args.steps)
+        return jax.block_until_ready(out)
+
+    t = time.perf_counter()
+    generate(args.steps)
+    log(generate_compile_and_first_s=round(time.perf_counter() - t, 1))
+    short, per_step = max(2, args.steps // 4), []
+    for _ in range(3):
+        took = {}
+        for budget in (short, args.steps):
+            t = time.perf_counter()
+            generate(budget)
+            took[budget] = time.perf_counter() - t
+        per_step.append((took[args.steps] - took[short]) / (args.steps - short))
+    gen = statistics.median(per_step)
+    log(generate_step_median_s=round(gen, 4), generate_tokens_per_s=round(args.batch / gen, 1),
+        memory_after_generate=device_memory())
 
 
 if __name__ == "__main__":
