@@ -34,15 +34,10 @@ Tables go to stdout and, with ``--out``, to a markdown file.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
-import glob
-import gzip
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import dsv4_jax as dj  # first: XLA flags
@@ -152,32 +147,11 @@ KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
 def profile_ops(run_once, top: int = 15):
     """Trace ``run_once()`` with the JAX profiler; top device ops by total time.
 
-    Returns ``(rows [(name, total us, count)], total us of device ops)`` from the Perfetto
-    trace (``*.trace.json.gz``) the profiler writes: complete events of the GPU streams (or,
-    on a CPU-only run, of the XLA CPU threads), then a row per kernel of ``KERNEL_GROUPS``
-    that ran: all its launches together.
+    Returns ``(rows [(name, total us, count)], total us of device ops)``
+    (``step_figures.trace_device_ops``), then a row per kernel of ``KERNEL_GROUPS`` that ran:
+    all its launches together.
     """
-    log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
-    run_once()                                       # warm: nothing compiles in the trace
-    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        run_once()
-    files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
-    if not files:
-        return [], 0.0
-    with gzip.open(files[0]) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
-    pids = gpu or {pid for pid, n in names.items() if "/host:CPU" in n}
-    totals, counts = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
-            if not gpu and not e.get("args", {}).get("hlo_op"):
-                continue                            # CPU run: XLA ops only, not Python
-            totals[e["name"]] += e["dur"]
-            counts[e["name"]] += 1
+    totals, counts = figures.trace_device_ops(run_once)
     total = sum(totals.values())
     rows = [(n, us, counts[n]) for n, us in totals.most_common(top)]
     # The kernels' shares of the step (their symbols carry the CuTe kernel class names);

@@ -18,6 +18,11 @@ CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm90",
               "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90"}
 BATCH = 2
+OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
+                           "hc_split_sinkhorn": "xla"}
+# A prefill step whose MoE takes WGMMA tiles: more than 128 rows per expert (8 experts, k = 2,
+# 2 rows of tokens), past the few-CTA rule that gives small launches warp tiles.
+PREFILL_TOKENS = 264
 
 
 def _config(expert_dtype):
@@ -49,7 +54,7 @@ def _kernel_supports(cfg, tokens):
 
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
-    ("fp4", 1, ""), ("fp4", 64, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
+    ("fp4", 1, ""), ("fp4", PREFILL_TOKENS, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
     ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync")],
     ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-sync",
          "fp8-decode-mma-sync"])
@@ -59,15 +64,14 @@ def test_model_step_lowers_to_the_moe_kernel(expert_dtype, tokens, algorithm):
     algorithm = algorithm or ("mma_fp8" if tokens == 1 else "wgmma")   # the model simulates
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
-    # Sparse attention and the dense linears on their references: every custom call left is
-    # the MoE's.
-    policy = KernelPolicy(ops={"sparse_attention": "xla", "grouped_gemm": "xla"},
-                          grouped_gemm=gemm)
+    # The other ops (attention, the dense linears, the mHC split) on their references: every
+    # custom call left is the MoE's.
+    policy = KernelPolicy(ops=OTHER_OPS_ON_REFERENCES, grouped_gemm=gemm)
     text = _lower(cfg, tokens, implementation=policy)
     assert CUSTOM_CALL in text and MOE_KERNEL[algorithm] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != algorithm and name in text]
-    policy = KernelPolicy(ops={"sparse_attention": "xla", "grouped_gemm": "xla",
-                               "moe_experts": "xla"}, grouped_gemm=gemm)
+    policy = KernelPolicy(ops=OTHER_OPS_ON_REFERENCES | {"moe_experts": "xla"},
+                          grouped_gemm=gemm)
     assert CUSTOM_CALL not in _lower(cfg, tokens, implementation=policy)
 
 
@@ -76,11 +80,11 @@ def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(expert_dtype):
     """``GroupedGemmPolicy(prefill_algorithm="wgmma_fp8")``: the prefill step's MoE runs the
     FP8 WGMMA kernel (input features of 512 and 512: even numbers of 128-column blocks)."""
     cfg = dj.Config.tiny(quantized=True, expert_dtype=expert_dtype, dim=512, moe_inter_dim=512)
-    policy = KernelPolicy(ops={"sparse_attention": "xla", "grouped_gemm": "xla"},
+    policy = KernelPolicy(ops=OTHER_OPS_ON_REFERENCES,
                           grouped_gemm=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
-    ok, why = _kernel_supports(cfg, 64)     # 256 rows: 32 per expert, prefill tiles
+    ok, why = _kernel_supports(cfg, PREFILL_TOKENS)
     assert ok, why
-    text = _lower(cfg, 64, implementation=policy)
+    text = _lower(cfg, PREFILL_TOKENS, implementation=policy)
     assert MOE_KERNEL["wgmma_fp8"] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != "wgmma_fp8" and name in text]
 
