@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import dsv4_jax as dj
-from dsv4_jax.decoding import build_programs
+from dsv4_jax.decoding import build_programs, run_prefill
 from dsv4_jax.generation import plain_method
 from dsv4_jax.speculative import speculative_method
 from dsv4_jax.params import abstract_params
@@ -65,8 +65,9 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
         if not speculative:
             return (params, first, jnp.zeros((batch,), jnp.float32), first, cache, key, stop,
                     budget)
-        tok, tok_lp, state, _, _, cache = programs.prefill(
-            params, first[:, None], jnp.ones((batch,), jnp.int32), cache, key, stop, budget)
+        tok, tok_lp, state, _, _, cache = run_prefill(
+            programs, params, first[:, None], jnp.ones((batch,), jnp.int32), cache, key, stop,
+            budget)
         return params, tok, tok_lp, state, cache, key, stop, budget
 
     def run(params, budget):

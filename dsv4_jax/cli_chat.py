@@ -65,8 +65,8 @@ def read_inputs(args) -> tuple[list, list | None]:
     if not args.messages:
         prompts = cli_generate.read_prompts(args)
         return [[{"role": "user", "content": p}] for p in prompts], tools
-    if args.prompt or args.prompts_file:
-        raise ValueError("give --messages or --prompt/--prompts-file, not both")
+    if args.prompt or args.prompts_file or args.prompt_file:
+        raise ValueError("give --messages or --prompt/--prompts-file/--prompt-file, not both")
     data = _read_json(args.messages, "--messages")
     if isinstance(data, dict):
         if data.get("tools") is not None:

@@ -20,10 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", action="append", default=[],
                    help="prompt text (repeat for a batch)")
     p.add_argument("--prompts-file", help="UTF-8 file with one prompt per line (batched)")
+    p.add_argument("--prompt-file", action="append", default=[],
+                   help="UTF-8 file that is one whole prompt, e.g. a long document "
+                        "(repeatable: one row each)")
     p.add_argument("--model", help="HF safetensors or orbax checkpoint directory "
                                    "(default: the embedded tiny random model)")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--max-len", type=int, default=None, help="cache capacity per row")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per prefill call (a multiple of the compression "
+                        "ratios; default: sized for the device); a progress bar shows on "
+                        "stderr while a longer prompt is prefilled")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -68,29 +75,41 @@ def build_options(args):
     from dsv4_jax.generation import GenerationOptions
     return GenerationOptions(max_new_tokens=args.max_new_tokens, sampler=build_sampler(args),
                              stop_tokens=args.stop, seed=args.seed, logprobs=args.logprobs,
-                             max_len=args.max_len, speculative=args.speculative)
+                             max_len=args.max_len, speculative=args.speculative,
+                             prefill_chunk=args.prefill_chunk, prefill_progress=True)
+
+
+def _read_text(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{flag} {path!r}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{flag} {path!r} is a directory") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{flag} {path!r} is not UTF-8 text (byte "
+                         f"0x{e.object[e.start]:02x} at offset {e.start})") from None
 
 
 def read_prompts(args) -> list[str]:
-    """``--prompt``s then the lines of ``--prompts-file``; ValueError naming what is wrong."""
+    """``--prompt``s, the lines of ``--prompts-file``, then each ``--prompt-file`` whole;
+    ValueError naming what is wrong."""
     prompts = list(args.prompt)
     if args.prompts_file:
         path = args.prompts_file
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = [line.rstrip("\n") for line in f if line.strip()]
-        except FileNotFoundError:
-            raise ValueError(f"--prompts-file {path!r}: no such file") from None
-        except IsADirectoryError:
-            raise ValueError(f"--prompts-file {path!r} is a directory") from None
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte "
-                             f"0x{e.object[e.start]:02x} at offset {e.start})") from None
+        lines = [line for line in _read_text("--prompts-file", path).split("\n")
+                 if line.strip()]
         if not lines:
             raise ValueError(f"--prompts-file {path!r} holds no prompt (it is empty or blank)")
         prompts += lines
+    for path in args.prompt_file:
+        text = _read_text("--prompt-file", path)
+        if not text.strip():
+            raise ValueError(f"--prompt-file {path!r} is empty or blank")
+        prompts.append(text)
     if not prompts:
-        raise ValueError("give at least one --prompt or a --prompts-file")
+        raise ValueError("give at least one --prompt, a --prompts-file or a --prompt-file")
     return prompts
 
 
@@ -100,6 +119,8 @@ def check_arguments(args) -> None:
         raise ValueError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.max_len is not None and args.max_len <= 0:
         raise ValueError(f"--max-len must be positive, got {args.max_len}")
+    if args.prefill_chunk is not None and args.prefill_chunk <= 0:
+        raise ValueError(f"--prefill-chunk must be positive, got {args.prefill_chunk}")
     if args.model is not None and not os.path.isdir(args.model):
         raise ValueError(f"--model: no such directory {args.model!r}")
 

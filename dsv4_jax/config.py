@@ -146,6 +146,15 @@ class Config:
     def softmax_scale(self) -> float:
         return self.head_dim ** -0.5
 
+    @property
+    def max_positions(self) -> int | None:
+        """Positions the model's RoPE is configured for: ``original_seq_len x rope_factor``
+        with YaRN (the official context length), None without YaRN (no stated range).
+        Generation refuses prompts + budgets beyond it."""
+        if not self.original_seq_len:
+            return None
+        return int(self.original_seq_len * self.rope_factor)
+
     def layer_kind(self, layer_id: int) -> str:
         """``"swa"`` (ratio 0: window only), ``"csa"`` (ratio 4: overlapping compressor and
         lightning indexer) or ``"hca"`` (ratio 128: every compressed entry) of block

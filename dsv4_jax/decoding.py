@@ -1,13 +1,22 @@
 """The decode driver shared by plain and speculative decoding.
 
-A decoding *method* is two pure functions traced inside ``jax.jit``:
+A decoding *method* is pure functions traced inside ``jax.jit``:
 
-* ``prefill(params, tokens, lengths, cache, key) -> (first, first_logprob, state, cache)``
-  consumes the right-padded prompts and samples each row's first token;
+* ``prefill(params, tokens, lengths, offset, following, cache, key, carry) -> (carry, cache)``
+  consumes one chunk of the right-padded prompts (``tokens [B, C]`` = prompt positions
+  ``offset .. offset + C - 1``; ``following [B]``: the prompt token after the chunk, 0 past
+  the end) and, for every row whose prompt ends in this chunk, samples its first token into
+  ``carry``; ``init_carry(batch)`` is the carry before the first chunk and ``start(carry) ->
+  (first, first_logprob, state)`` ends the prefill;
 * ``step(params, state, cache, key, live) -> (tokens [B, K], logprobs [B, K], n_new [B],
   advance)`` proposes up to ``K`` new tokens per live row (the first ``n_new`` are real);
   ``advance(done) -> (state, cache)`` then finishes the step once the driver knows which
   rows are done (speculative decoding skips drafting for them).
+
+Prompts are prefilled in fixed chunks (``prefill_chunks``): one compiled program per chunk
+width, whatever the prompt length, and activations bounded by the chunk, not the prompt. A
+row's first token is drawn from the logits at its last prompt position with the same key
+whichever chunk holds it, so the result equals a one-shot prefill.
 
 The driver owns everything else, once: which proposed tokens are kept (a row stops after a
 stop token or at its budget), where they go in the output, the ``lax.while_loop`` of
@@ -29,7 +38,9 @@ from .generation_options import GenerationOptions
 from .tokenizer import ByteTokenizer
 
 __all__ = ["GenerationResult", "StreamEvent", "Method", "Programs", "Prepared", "bucket",
-           "prepare_prompts", "token_logprob", "build_programs", "finish", "timed"]
+           "prefill_alignment", "default_prefill_chunk", "prefill_chunks", "prepare_prompts",
+           "token_logprob", "build_programs", "run_prefill", "ends_in_chunk", "chunk_num_new",
+           "finish", "timed"]
 
 
 @dataclasses.dataclass
@@ -65,6 +76,8 @@ class Method:
     proposes; ``extra_len``: cache positions it needs beyond prompt + budget; ``summary``
     turns the final state into host statistics."""
     prefill: Callable
+    init_carry: Callable
+    start: Callable
     step: Callable
     width: int = 1
     extra_len: int = 0
@@ -76,22 +89,54 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 
 
+def prefill_alignment(cfg) -> int:
+    """What ``prefill_chunk`` must be a multiple of: every compression ratio, so a full chunk
+    ends on a block boundary of every compressor (the sliding window needs nothing: a chunk
+    attends the ring and its own entries, whatever its width)."""
+    align = 1
+    for ratio in cfg.compress_ratios:
+        if ratio:
+            align = align * ratio // np.gcd(align, ratio)
+    return int(align)
+
+
+def default_prefill_chunk(cfg) -> int:
+    """The chunk ``prefill_chunk=None`` takes: 4096 tokens on a GPU (docs/performance.md,
+    prefill: throughput per layer flattens above it while activations keep growing), 512
+    elsewhere (CPU runs are small models); rounded up to ``prefill_alignment``."""
+    chunk = 4096 if jax.default_backend() == "gpu" else 512
+    align = prefill_alignment(cfg)
+    return -(-chunk // align) * align
+
+
+def prefill_chunks(longest: int, chunk: int) -> tuple:
+    """``(offset, width)`` of each prefill call for prompts of up to ``longest`` tokens: full
+    chunks, then the rest in a power-of-two bucket (at most ``chunk``); a prompt that fits one
+    chunk is one bucketed call. Prompts are not padded to a power of two beyond one chunk."""
+    full, rest = divmod(int(longest), int(chunk))
+    widths = [chunk] * full + ([min(bucket(rest), chunk)] if rest else [])
+    offsets = np.cumsum([0] + widths[:-1])
+    return tuple((int(o), int(w)) for o, w in zip(offsets, widths))
+
+
 @dataclasses.dataclass
 class Prepared:
-    tokens: np.ndarray            # [B, P] right-padded prompt ids
+    tokens: np.ndarray            # [B, P] right-padded prompt ids (P = the chunks' widths)
     lengths: np.ndarray           # [B]
     stop_tokens: np.ndarray       # [K]
     max_len: int
     budget: int                   # max_new_tokens
     steps: int                    # bucketed budget (static output width)
     tokenizer: object
+    chunks: tuple = ()            # (offset, width) of each prefill call
 
 
 def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=None,
                     extra_len: int = 0) -> Prepared:
     """Validate and tokenize prompts, check ``options`` against the model (stop tokens in the
-    vocabulary, prompts + budget within ``max_len``); choose bucketed shapes. Raises
-    ValueError/TypeError."""
+    vocabulary, prompts + budget within ``max_len`` and the model's RoPE range, the prefill
+    chunk a multiple of ``prefill_alignment``); choose the prefill chunks and bucketed
+    shapes. Raises ValueError/TypeError."""
     cfg = model.config
     max_new_tokens, max_len = options.max_new_tokens, options.max_len
     if isinstance(prompts, (str, bytes)) or (isinstance(prompts, Sequence) and prompts
@@ -116,10 +161,23 @@ def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=Non
     bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ValueError(f"stop token {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+    chunk = options.prefill_chunk
+    align = prefill_alignment(cfg)
+    if chunk is None:
+        chunk = default_prefill_chunk(cfg)
+    elif chunk % align:
+        raise ValueError(f"prefill_chunk must be a positive multiple of {align} (the "
+                         f"compression ratios {sorted(set(cfg.compress_ratios) - {0})}), got "
+                         f"{chunk}")
     longest = max(len(p) for p in ids)
-    width = bucket(longest)
+    chunks = prefill_chunks(longest, chunk)
+    width = sum(w for _, w in chunks)
     steps = bucket(max_new_tokens, 8)
     needed = longest + max_new_tokens + extra_len
+    if cfg.max_positions is not None and needed > cfg.max_positions:
+        raise ValueError(f"prompt too long for the model: the longest prompt has {longest} "
+                         f"tokens, + max_new_tokens {max_new_tokens} > {cfg.max_positions} "
+                         f"positions (the RoPE range, original_seq_len x rope_factor)")
     if max_len is None:
         max_len = width + steps + extra_len
     elif needed > max_len:
@@ -130,7 +188,7 @@ def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=Non
         tokens[i, :len(p)] = p
     return Prepared(tokens, np.array([len(p) for p in ids], np.int32),
                     np.array(stop_tokens or (-1,), np.int32), int(max_len), max_new_tokens,
-                    steps, tokenizer)
+                    steps, tokenizer, chunks)
 
 
 def token_logprob(logits, token):
@@ -157,9 +215,12 @@ def keep_proposed(count, done, tokens, n_new, stop, budget):
 
 @dataclasses.dataclass(frozen=True)
 class Programs:
-    """The jitted programs of one (method, model, sampler): ``prefill``, ``step`` (one
-    driver step, for ``stream``) and ``loop`` (every step on the device, for ``generate``)."""
+    """The jitted programs of one (method, model, sampler): ``prefill`` (one prompt chunk),
+    ``start`` (the driver state after the last chunk), ``step`` (one driver step, for
+    ``stream``) and ``loop`` (every step on the device, for ``generate``); ``run_prefill``
+    drives the first two."""
     prefill: Callable
+    start: Callable
     step: Callable
     loop: Callable
     method: Method
@@ -208,15 +269,53 @@ def build_programs(method: Method) -> Programs:
         _, out, lps, _, _, state, cache = jax.lax.while_loop(cond, body, carry)
         return out, lps, state, cache
 
-    def prefill(params, tokens, lengths, cache, key, stop, budget):
-        first, first_lp, state, cache = method.prefill(params, tokens, lengths, cache, key)
-        count, done = start(first, first_lp, stop, budget)
-        return first, first_lp, state, count, done, cache
+    def prefill(params, tokens, lengths, offset, following, cache, key, carry):
+        return method.prefill(params, tokens, lengths, offset, following, cache, key, carry)
 
-    return Programs(jax.jit(prefill, donate_argnames=("cache",)),
+    def start_decoding(carry, stop, budget):
+        first, first_lp, state = method.start(carry)
+        count, done = start(first, first_lp, stop, budget)
+        return first, first_lp, state, count, done
+
+    return Programs(jax.jit(prefill, donate_argnames=("cache", "carry")),
+                    jax.jit(start_decoding),
                     jax.jit(step, donate_argnames=("cache",)),
                     jax.jit(loop, donate_argnames=("cache",), static_argnames=("steps",)),
                     method)
+
+
+def run_prefill(programs: Programs, params, tokens, lengths, cache, key, stop, budget,
+                chunks=None, progress=None):
+    """Prefill right-padded prompts ``tokens [B, P]`` (row b: ``lengths[b]`` tokens) chunk by
+    chunk (``chunks``: ``(offset, width)`` pairs, default one call over P) and start decoding:
+    ``(first, first_logprob, state, count, done, cache)``. ``progress(tokens_done, total)``
+    is called after each chunk. Host arrays are sliced on the host, so only one chunk's
+    tokens go to the device per call."""
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int32)
+    b, total = tokens.shape
+    chunks = ((0, total),) if chunks is None else chunks
+    carry = programs.method.init_carry(b)
+    lengths_dev = jnp.asarray(lengths)
+    for offset, width in chunks:
+        end = offset + width
+        following = tokens[:, end] if end < total else np.zeros((b,), np.int32)
+        carry, cache = programs.prefill(params, jnp.asarray(tokens[:, offset:end]), lengths_dev,
+                                        jnp.int32(offset), jnp.asarray(following), cache, key,
+                                        carry)
+        if progress is not None:        # wait for the chunk, so the progress is the device's
+            jax.block_until_ready(carry)
+            progress(min(end, int(lengths.max())), int(lengths.max()))
+    return (*programs.start(carry, stop, budget), cache)
+
+
+def ends_in_chunk(lengths, offset, width):
+    """[B] bool: the row's last prompt token is in the chunk ``offset .. offset + width - 1``."""
+    return (lengths > offset) & (lengths <= offset + width)
+
+
+def chunk_num_new(lengths, offset, width):
+    """[B] how many of a chunk's ``width`` tokens are the row's prompt."""
+    return jnp.clip(lengths - offset, 0, width).astype(jnp.int32)
 
 
 def finish(prep: Prepared, rows, lps, logprobs: bool, stats: dict) -> GenerationResult:

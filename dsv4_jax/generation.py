@@ -1,7 +1,7 @@
 """Text generation: batched prefill, a fully jitted ``lax.while_loop`` decode, streaming.
 
-``generate`` runs prefill (prompts right-padded to a power-of-two bucket, each row with its own
-length) and then the whole decode loop on the device; every row stops at a stop token or the
+``generate`` runs prefill (prompts right-padded, each row with its own length, consumed in
+fixed chunks: see decoding.py) and then the whole decode loop on the device; every row stops at a stop token or the
 budget. ``stream`` yields tokens as they come from a Python loop over one jitted step. Both
 drive the same programs (decoding.py), donate the cache, bucket shapes (prompt length and
 budget) so new prompts of lengths in the same buckets reuse the compiled programs, and draw the
@@ -14,19 +14,22 @@ generation_options.py), built once by ``generate``/``stream``; the functions bel
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from typing import Iterator
 
 import numpy as np
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
 from ._monitor import count_compilations
 from .cache import Cache
 from .chat_decoding import ChatResult, chat_batch
 from .compilation_cache import enable_compilation_cache
-from .decoding import (GenerationResult, Method, Programs, StreamEvent, build_programs, finish,
-                       prepare_prompts, timed, token_logprob)
+from .decoding import (GenerationResult, Method, Programs, StreamEvent, build_programs,
+                       chunk_num_new, ends_in_chunk, finish, prepare_prompts, run_prefill,
+                       timed, token_logprob)
 from .generation_options import (ChatOptions, GenerationOptions, call_chat_options,
                                  call_options)
 from .sampling import Greedy, Sampler
@@ -40,11 +43,23 @@ def plain_method(model, sampler: Sampler) -> Method:
     """One token per step: the model consumes the last token and samples the next."""
     quiet = model.clone(runtime_checks=False)        # inputs are validated on the host
 
-    def prefill(params, tokens, lengths, cache, key):
-        logits, cache = quiet.apply({"params": params}, tokens, cache, num_new=lengths,
+    def prefill(params, tokens, lengths, offset, following, cache, key, carry):
+        width = tokens.shape[1]
+        logits, cache = quiet.apply({"params": params}, tokens, cache,
+                                    num_new=chunk_num_new(lengths, offset, width),
                                     logits_at="last")
         first = sampler.sample(logits, jax.random.fold_in(key, 0))
-        return first, token_logprob(logits, first), first, cache
+        ends = ends_in_chunk(lengths, offset, width)
+        kept_first, kept_lp = carry
+        return (jnp.where(ends, first, kept_first),
+                jnp.where(ends, token_logprob(logits, first), kept_lp)), cache
+
+    def init_carry(batch):
+        return jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.float32)
+
+    def start(carry):
+        first, first_lp = carry
+        return first, first_lp, first
 
     def step(params, token, cache, key, live):
         logits, cache = quiet.apply({"params": params}, token[:, None], cache,
@@ -54,7 +69,7 @@ def plain_method(model, sampler: Sampler) -> Method:
         return nxt[:, None], token_logprob(logits, nxt)[:, None], n_new, \
             lambda done: (jnp.where(live, nxt, 0), cache)
 
-    return Method(prefill, step)
+    return Method(prefill, init_carry, start, step)
 
 
 @functools.lru_cache(maxsize=32)
@@ -91,6 +106,7 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
              logprobs: bool = False, max_len: int | None = None, speculative: bool = False,
              chat: bool = False, tools: list | None = None, thinking: bool = False,
              drop_thinking: bool = True, reasoning_effort: str | None = None,
+             prefill_chunk: int | None = None, prefill_progress: bool = False,
              options: GenerationOptions | None = None,
              chat_options: ChatOptions | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (strings or token-id lists).
@@ -109,15 +125,22 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
     completion does not parse) and why not (``errors``). ``tokenizer`` must then hold the
     chat tokens (the official ``tokenizer.json``), or be None for the byte fallback.
 
+    Prompts are prefilled ``prefill_chunk`` tokens per call (default: sized for the device,
+    ``decoding.default_prefill_chunk``; a multiple of the compression ratios), so a prompt of
+    any length up to ``max_len`` runs in the memory of one chunk; the tokens are those of a
+    one-shot prefill. ``prefill_progress=True`` shows a progress bar for long prompts.
+
     ``options``, a ``GenerationOptions``, holds ``max_new_tokens``, ``sampler``,
-    ``stop_tokens``, ``seed``, ``logprobs``, ``max_len`` and ``speculative`` in one value;
+    ``stop_tokens``, ``seed``, ``logprobs``, ``max_len``, ``speculative``, ``prefill_chunk``
+    and ``prefill_progress`` in one value;
     ``chat_options``, a ``ChatOptions`` (chat mode), holds ``tools``, ``thinking``,
     ``drop_thinking`` and ``reasoning_effort``. Such an argument set beside its value raises
     ValueError. Without ``options``, ``max_new_tokens`` is required.
     """
     options = call_options(options, max_new_tokens=max_new_tokens, sampler=sampler,
                            stop_tokens=stop_tokens, seed=seed, logprobs=logprobs,
-                           max_len=max_len, speculative=speculative)
+                           max_len=max_len, speculative=speculative,
+                           prefill_chunk=prefill_chunk, prefill_progress=prefill_progress)
     chat_options = call_chat_options(chat_options, chat, tools=tools, thinking=thinking,
                                      drop_thinking=drop_thinking,
                                      reasoning_effort=reasoning_effort)
@@ -135,8 +158,7 @@ def _generate(model, params, prompts, options: GenerationOptions, *,
     with count_compilations() as compiled:
         cache = Cache.init(model.config, len(prep.lengths), prep.max_len)
         (first, first_lp, state, _, _, cache), t_prefill = timed(
-            programs.prefill, params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths),
-            cache, key, stop, jnp.int32(prep.budget))
+            _prefill, programs, params, prep, cache, key, stop, options)
         (out, lps, state, cache), t_decode = timed(
             programs.loop, params, first, first_lp, state, cache, key, stop,
             jnp.int32(prep.budget), steps=prep.steps)
@@ -155,6 +177,7 @@ def stream(model, params, prompts, max_new_tokens: int | None = None,
            logprobs: bool = False, max_len: int | None = None, speculative: bool = False,
            chat: bool = False, tools: list | None = None, thinking: bool = False,
            drop_thinking: bool = True, reasoning_effort: str | None = None,
+           prefill_chunk: int | None = None, prefill_progress: bool = False,
            options: GenerationOptions | None = None,
            chat_options: ChatOptions | None = None) -> Iterator[StreamEvent]:
     """Like ``generate`` (the same arguments) but yields a ``StreamEvent`` per new token
@@ -169,7 +192,8 @@ def stream(model, params, prompts, max_new_tokens: int | None = None,
     at the call, before any generation."""
     options = call_options(options, max_new_tokens=max_new_tokens, sampler=sampler,
                            stop_tokens=stop_tokens, seed=seed, logprobs=logprobs,
-                           max_len=max_len, speculative=speculative)
+                           max_len=max_len, speculative=speculative,
+                           prefill_chunk=prefill_chunk, prefill_progress=prefill_progress)
     chat_options = call_chat_options(chat_options, chat, tools=tools, thinking=thinking,
                                      drop_thinking=drop_thinking,
                                      reasoning_effort=reasoning_effort)
@@ -186,8 +210,8 @@ def _stream(model, params, prompts, options: GenerationOptions, *,
     budget = jnp.int32(prep.budget)
     text = _IncrementalText(prep.tokenizer, len(prep.lengths), set(prep.stop_tokens.tolist()))
     cache = Cache.init(model.config, len(prep.lengths), prep.max_len)
-    first, first_lp, state, count, done, cache = programs.prefill(
-        params, jnp.asarray(prep.tokens), jnp.asarray(prep.lengths), cache, key, stop, budget)
+    first, first_lp, state, count, done, cache = _prefill(programs, params, prep, cache, key,
+                                                          stop, options)
     tokens, lps, now_done = np.asarray(first)[:, None], np.asarray(first_lp)[:, None], done
     position, i = 0, 1
     while True:
@@ -206,6 +230,25 @@ def _stream(model, params, prompts, options: GenerationOptions, *,
             params, state, count, done, cache, key, jnp.int32(i), stop, budget)
         tokens, lps, now_done = np.asarray(step_tokens), np.asarray(step_lps), done
         i += 1
+
+
+def _prefill(programs: Programs, params, prep, cache, key, stop, options: GenerationOptions):
+    """``run_prefill`` over the prepared chunks, with a progress bar on stderr when asked
+    and the prompts take more than one chunk."""
+    bar = None
+    if options.prefill_progress and len(prep.chunks) > 1:
+        bar = tqdm(total=int(prep.lengths.max()), unit="tok", desc="prefill", file=sys.stderr)
+
+    def progress(done, total):
+        bar.update(done - bar.n)
+
+    try:
+        return run_prefill(programs, params, prep.tokens, prep.lengths, cache, key, stop,
+                           jnp.int32(prep.budget), prep.chunks,
+                           progress if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 class _IncrementalText:

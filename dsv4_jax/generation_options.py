@@ -48,7 +48,11 @@ class GenerationOptions:
     sampler. ``stop_tokens``: ids that end a row (kept as a tuple; None: the config's EOS;
     ``()``: none). ``seed``: of the random draws. ``logprobs``: return per-token
     log-probabilities. ``max_len``: cache capacity per row (None: the bucketed prompt
-    length + budget). ``speculative``: MTP speculative decoding.
+    length + budget). ``speculative``: MTP speculative decoding. ``prefill_chunk``: prompts
+    are prefilled this many tokens per call (None: ``decoding.default_prefill_chunk``; it
+    must be a multiple of the model's compression ratios, checked at the call), so memory
+    and compiled programs do not grow with the prompt. ``prefill_progress``: show a progress
+    bar (stderr) while a prompt longer than one chunk is prefilled.
 
     Raises ValueError / TypeError naming the field and the bad value. Whether stop tokens are
     in the vocabulary, and whether the model has an MTP block, is checked at the call, where
@@ -61,8 +65,8 @@ class GenerationOptions:
     logprobs: bool = False
     max_len: int | None = None
     speculative: bool = False
-    # Chunked prefill (``prefill_chunk``) goes here: like ``sampler`` and ``speculative`` it
-    # will change the compiled programs (generation._programs), not only their inputs.
+    prefill_chunk: int | None = None
+    prefill_progress: bool = False
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -90,6 +94,13 @@ class GenerationOptions:
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m <= 0):
             raise ValueError(f"max_len must be a positive int, got {m!r}")
         object.__setattr__(self, "speculative", _check_bool("speculative", self.speculative))
+        c = self.prefill_chunk
+        if c is not None and (not _is_int(c) or c <= 0):
+            raise ValueError(f"prefill_chunk must be a positive int, got {c!r}")
+        if c is not None:
+            object.__setattr__(self, "prefill_chunk", int(c))
+        object.__setattr__(self, "prefill_progress",
+                           _check_bool("prefill_progress", self.prefill_progress))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .decoding import Method, token_logprob
+from .decoding import Method, chunk_num_new, ends_in_chunk, token_logprob
 from .sampling import Sampler
 from dsv4_jax.models.transformer import commit
 
@@ -66,18 +66,32 @@ def speculative_method(model, sampler: Sampler) -> Method:
                                        method=type(quiet).mtp_forward)
         return sampler.sample(logits, key), sampler.log_probs(logits), cache
 
-    def prefill(params, tokens, lengths, cache, key):
-        logits, cache, hidden = main_apply(params, tokens, cache, lengths, logits_at="last",
+    def prefill(params, tokens, lengths, offset, following, cache, key, carry):
+        b, width = tokens.shape
+        num_new = chunk_num_new(lengths, offset, width)
+        logits, cache, hidden = main_apply(params, tokens, cache, num_new, logits_at="last",
                                            return_hidden=True)
         first = sampler.sample(logits, jax.random.fold_in(key, 0))
-        # MTP pairs (h_i, x_{i+1}) of the prompt, the last one with the sampled token
-        b = tokens.shape[0]
-        shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-        shifted = shifted.at[jnp.arange(b), lengths - 1].set(first)
-        d, d_logp, cache = draft(params, hidden, shifted, cache, lengths,
+        ends = ends_in_chunk(lengths, offset, width)
+        # MTP pairs (h_i, x_{i+1}) of the chunk: the next chunk's first token after the last
+        # position, the sampled token after the prompt's last one
+        shifted = jnp.concatenate([tokens[:, 1:], following[:, None]], axis=1)
+        last = jnp.arange(width)[None, :] == (lengths - 1 - offset)[:, None]
+        shifted = jnp.where(last, first[:, None], shifted)
+        d, d_logp, cache = draft(params, hidden, shifted, cache, num_new,
                                  jax.random.fold_in(key, 1 << 20))
-        state = (first, d, d_logp, jnp.int32(0), jnp.int32(0))
-        return first, token_logprob(logits, first), state, cache
+        kept = (first, token_logprob(logits, first), d, d_logp)
+        return tuple(jnp.where(ends.reshape((b,) + (1,) * (new.ndim - 1)), new, old)
+                     for new, old in zip(kept, carry)), cache
+
+    def init_carry(batch):
+        return (jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), jnp.float32),
+                jnp.zeros((batch,), jnp.int32),
+                jnp.zeros((batch, model.config.vocab_size), jnp.float32))
+
+    def start(carry):
+        first, first_lp, d, d_logp = carry
+        return first, first_lp, (first, d, d_logp, jnp.int32(0), jnp.int32(0))
 
     def step(params, state, cache, key, live):
         x, d, d_logp, n_draft, n_acc = state
@@ -108,4 +122,4 @@ def speculative_method(model, sampler: Sampler) -> Method:
                     acceptance_rate=accepted / max(drafts, 1))
 
     # the verify step feeds one token beyond the last one kept
-    return Method(prefill, step, width=2, extra_len=1, summary=summary)
+    return Method(prefill, init_carry, start, step, width=2, extra_len=1, summary=summary)

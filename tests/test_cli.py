@@ -92,10 +92,10 @@ def test_options_of_the_flags(no_model_load, capsys):
     args = parser.parse_args(["--max-new-tokens", "5", "--temperature", "0.5", "--top-k", "3",
                               "--seed", "7", "--stop", "1", "--stop", "2", "--logprobs",
                               "--max-len", "64", "--speculative", "--thinking",
-                              "--reasoning-effort", "max"])
+                              "--reasoning-effort", "max", "--prefill-chunk", "256"])
     assert cli_generate.build_options(args) == GenerationOptions(
         max_new_tokens=5, sampler=TopK(3, temperature=0.5), stop_tokens=(1, 2), seed=7,
-        logprobs=True, max_len=64, speculative=True)
+        logprobs=True, max_len=64, speculative=True, prefill_chunk=256, prefill_progress=True)
     assert cli_chat.build_chat_options(args, None) == ChatOptions(thinking=True,
                                                                   reasoning_effort="max")
     assert main(["generate", "--prompt", "x", "--seed", str(2 ** 63)]) == 2
