@@ -43,7 +43,8 @@ experts' two GEMMs, [T k, d] x [E, 2 inter, d] and [T k, inter] x [E, d, inter],
 sorted by expert, FP8 e4m3 operands with rowwise f32 scales, at every token count from
 ``--peer-min-tokens`` (default 512; 1: all). Its routing is that of our op's input sets (the
 same R sets, expert counts -> cumulative int32 offsets), each expert's rows padded to a
-multiple of ``--peer-align`` (default 16, which older torch asserts). Not timed: gathering,
+multiple of ``--peer-align`` (``auto``: none where a probe in a child process finds that the
+installed torch runs such groups right, else 16, which older torch asserts). Not timed: gathering,
 quantising and scattering rows, the per-token sum (all inside our op's time); SwiGLU and the
 FP8 quantisation between the GEMMs only with ``--peer-glue``. Timed with CUDA events as ours
 is timed (two warm-up executions; the median over ``--runs`` executions of R back-to-back
@@ -156,11 +157,21 @@ def peer_skipped(args) -> str | None:
     return torch_peer.unavailable()
 
 
-def start_peer(args, name, dims):
+def peer_align(args) -> tuple[int, str | None]:
+    """The peer's rows per group: ``--peer-align``, or with ``auto`` 1 where
+    ``torch_peer.probe_unpadded`` succeeds, else ``torch_peer.ALIGN``; and the probe's note."""
+    if args.peer_align != "auto":
+        return int(args.peer_align), None
+    ok, line = torch_peer.probe_unpadded()
+    return (1 if ok else torch_peer.ALIGN), (
+        f"torch peer: {'unpadded groups' if ok else 'groups padded to 16'} (probe: {line})")
+
+
+def start_peer(args, name, dims, align):
     """``(PeerRunner or None, the note to print)`` of one shape: its FP8 weights on the
     device, or None where they do not fit next to ours."""
     try:
-        peer = torch_peer.PeerRunner(dims, align=args.peer_align, glue=args.peer_glue,
+        peer = torch_peer.PeerRunner(dims, align=align, glue=args.peer_glue,
                                      swiglu_limit=cases.SWIGLU_LIMIT,
                                      fast_accum=args.peer_accum == "fast")
         return peer, f"torch peer ({name}): {torch_peer.describe(peer)}"
@@ -242,9 +253,9 @@ def parse_args(argv=None):
                    help="leave out the torch peer (torch._scaled_grouped_mm)")
     p.add_argument("--peer-min-tokens", type=int, default=512,
                    help="time the torch peer at token counts from this one (1: every count)")
-    p.add_argument("--peer-align", type=int, default=torch_peer.ALIGN,
-                   help="pad each expert's rows of the peer to a multiple of this (1: none; "
-                        "older torch asserts 16)")
+    p.add_argument("--peer-align", default="auto",
+                   help="pad each expert's rows of the peer to a multiple of this; auto: 1 "
+                        "where a probe finds torch runs unpadded groups, else 16")
     p.add_argument("--peer-glue", action="store_true",
                    help="the peer also runs SwiGLU + the FP8 quantisation between its GEMMs "
                         "(torch ops, timed)")
@@ -252,6 +263,8 @@ def parse_args(argv=None):
                    help="the peer's FP8 accumulation (use_fast_accum)")
     p.add_argument("--out", help="write the table (with date, device, command) to this file")
     a = p.parse_args(argv)
+    if a.peer_align != "auto" and not (a.peer_align.isdigit() and int(a.peer_align) > 0):
+        p.error(f"--peer-align: auto or a positive integer, got {a.peer_align!r}")
     if a.quick:
         a.shapes, a.tokens, a.routings = "flash", "1,64,4096", "balanced"
     if a.tiny:
@@ -273,7 +286,11 @@ def main(argv=None):
     skipped = peer_skipped(args)
     if skipped is not None:
         peer_lines.append(f"torch peer skipped: {skipped}")
-        print(peer_lines[-1], flush=True)
+    else:
+        align, note = peer_align(args)
+        peer_lines += [note] if note else []
+    for line in peer_lines:
+        print(line, flush=True)
     for name in args.shapes.split(","):
         dims = cases.DIMS[name]
         p = cases.expert_weights(dims, args.weights)
@@ -281,7 +298,7 @@ def main(argv=None):
         del p
         peer = None
         if skipped is None:                         # after ours: JAX has its memory first
-            peer, line = start_peer(args, name, dims)
+            peer, line = start_peer(args, name, dims, align)
             peer_lines.append(line)
             print(line, flush=True)
         for tokens in (int(t) for t in args.tokens.split(",")):

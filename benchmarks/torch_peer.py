@@ -36,11 +36,12 @@ the f32 accumulator by scale_a[row] * scale_b[g, col]; bf16 output only; sm_90 /
 
 Padding: older releases (``GroupMMCommon.cuh`` before the alignment check was refined)
 assert on the device that every group's row count is a multiple of 16 -- a failed device
-assert would end the process's CUDA context, ours included. So each group's rows are padded
-to ``align`` (16 by default; ``align=1`` runs unpadded where the installed torch allows it).
-Padded rows are zero inputs that the GEMMs compute anyway; the FLOP figures count only the
-real rows (``real_flops``: 2 rows 3 d inter, as ``cases.moe_flops``), and ``padded_offsets``
-says how many rows were executed.
+assert would end the process's CUDA context, ours included. ``probe_unpadded`` therefore
+tries groups of 5, 0, 16, 21 and 3 rows in a child process (checked against an f32
+reference); where that fails, each group's rows are padded to ``align`` = 16. Padded rows
+are zero inputs that the GEMMs compute anyway; the FLOP figures count only the real rows
+(``real_flops``: 2 rows 3 d inter, as ``cases.moe_flops``), and ``padded_offsets`` says how
+many rows were executed.
 
 Timing (``PeerRunner.seconds``), mirroring ``timing.median_seconds`` with ``calls_on_sets``:
 R input sets (own rows, routing counts and offsets; the same routings as our op's sets), so
@@ -55,9 +56,14 @@ torch is imported inside the functions that need it: this module imports without
 """
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 
 import numpy as np
+
+_HERE = os.path.abspath(__file__)
 
 ALIGN = 16              # rows per group: a multiple of this (older torch asserts it)
 FP8_MAX = 448.0         # largest finite e4m3 value
@@ -120,6 +126,46 @@ def unavailable() -> str | None:
     return None
 
 
+def probe_unpadded(timeout: float = 300) -> tuple[bool, str]:
+    """Whether the installed torch runs groups whose row counts are not multiples of 16
+    (and gets them right): ``(ok, the child's last line)``. The try runs in a child process,
+    so that a failed device assert ends that process's CUDA context, not ours."""
+    try:
+        r = subprocess.run([sys.executable, _HERE, "--probe-unpadded"], capture_output=True,
+                           text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"the probe took over {timeout:.0f} s"
+    ok = r.returncode == 0
+    out, err = r.stdout.strip().splitlines(), r.stderr.strip().splitlines()
+    lines = (out or err) if ok else (err or out)          # the result, or the error's end
+    return ok, (lines[-1][:200] if lines else f"exit status {r.returncode}")
+
+
+def _probe_unpadded_child() -> int:
+    """The child of ``probe_unpadded``: one ``_scaled_grouped_mm`` on groups of 5, 0, 16, 21
+    and 3 rows against the f32 product of the dequantised operands."""
+    import torch
+    counts, k, n, dev = [5, 0, 16, 21, 3], 256, 128, "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    m, e = sum(counts), len(counts)
+    a = torch.randn(m, k, generator=gen, device=dev).to(torch.float8_e4m3fn)
+    w = torch.randn(e, n, k, generator=gen, device=dev).to(torch.float8_e4m3fn)
+    s_a = torch.rand(m, generator=gen, device=dev) + 0.5
+    s_w = torch.rand(e, n, generator=gen, device=dev) + 0.5
+    offs = torch.tensor(np.cumsum(counts), dtype=torch.int32, device=dev)
+    out = torch._scaled_grouped_mm(a, w.transpose(-2, -1), s_a, s_w, offs=offs,
+                                   out_dtype=torch.bfloat16).float()
+    ref, start = torch.zeros(m, n, device=dev), 0
+    for g, c in enumerate(counts):
+        ref[start:start + c] = ((a[start:start + c].float() * s_a[start:start + c, None])
+                                @ (w[g].float() * s_w[g][:, None]).T)
+        start += c
+    torch.cuda.synchronize()
+    err = ((out - ref).norm() / ref.norm()).item()
+    print(f"unpadded groups (5, 0, 16, 21, 3 rows): rel err {err:.2e} against f32")
+    return 0 if err < 1e-2 else 1
+
+
 def describe(runner: "PeerRunner | None" = None) -> str:
     """One line naming the peer's library version and settings (for the table's header)."""
     import torch
@@ -128,7 +174,9 @@ def describe(runner: "PeerRunner | None" = None) -> str:
     if runner is not None:
         what = ("GEMMs + SwiGLU + FP8 quantisation between them (torch ops, timed)"
                 if runner.glue else "the two GEMMs only")
-        text += (f", {what}, groups padded to multiples of {runner.align} rows, "
+        pad = ("groups unpadded" if runner.align == 1
+               else f"groups padded to multiples of {runner.align} rows")
+        text += (f", {what}, {pad}, "
                  f"{'fast' if runner.fast_accum else 'precise'} accumulation")
     return text
 
@@ -271,3 +319,7 @@ def time_peer(runner: PeerRunner, counts_per_set, runs: int) -> dict:
     del sets
     torch.cuda.empty_cache()
     return dict(seconds=seconds, rows=rows, real_rows=real)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--probe-unpadded"]:
+    sys.exit(_probe_unpadded_child())

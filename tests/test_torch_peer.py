@@ -68,6 +68,15 @@ def test_module_imports_without_torch():
     assert out[1] == "[16, 32]"
 
 
+def test_a_failing_probe_says_why(tmp_path, monkeypatch):
+    """``probe_unpadded`` runs in a child: a torch that fails there is a "no", with its
+    reason, not an error in the caller."""
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch in this child')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    ok, line = torch_peer.probe_unpadded(timeout=120)
+    assert not ok and line == "ImportError: no torch in this child"
+
+
 @pytest.fixture
 def bench_moe():
     import bench_moe
@@ -95,6 +104,9 @@ def test_bench_moe_peer_skip_reasons(bench_moe, monkeypatch):
     assert bench_moe.peer_skipped(args) == "no token count >= --peer-min-tokens 512"
     monkeypatch.setitem(sys.modules, "torch", None)
     assert bench_moe.peer_skipped(bench_moe.parse_args([])).startswith("torch not importable")
+    assert bench_moe.peer_align(bench_moe.parse_args(["--peer-align", "16"])) == (16, None)
+    with pytest.raises(SystemExit):
+        bench_moe.parse_args(["--peer-align", "0"])
 
 
 def test_peer_cells_by_hand(bench_moe):
@@ -146,6 +158,10 @@ def test_peer_against_numpy(glue, align):
     reason = torch_peer.unavailable()
     if reason is not None:
         pytest.skip(reason)
+    if align == 1:
+        ok, line = torch_peer.probe_unpadded()
+        if not ok:
+            pytest.skip(f"this torch does not run unpadded groups: {line}")
     from dsv4_jax.ffi import cases
     dims = (4, 256, 128, 2)                           # E, d, inter, k
     runner = torch_peer.PeerRunner(dims, align=align, glue=glue,
