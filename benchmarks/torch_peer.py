@@ -33,6 +33,8 @@ not transposed, ``mat_b`` transposed (column-major); K and N multiples of 16; sc
 length M, scale_b 2-D [G, N] contiguous in its last dim; f32 scales select the rowwise FP8
 kernel (a CUTLASS sm_90 ptr-array grouped GEMM, fewer than 1024 groups), which multiplies
 the f32 accumulator by scale_a[row] * scale_b[g, col]; bf16 output only; sm_90 / sm_100.
+``use_fast_accum=True`` by default (FP8 WGMMA accumulation without promotion, as torchao's
+forward calls it; ``fast_accum=False`` / ``bench_moe.py --peer-accum precise`` for the other).
 
 Padding: older releases (``GroupMMCommon.cuh`` before the alignment check was refined)
 assert on the device that every group's row count is a multiple of 16 -- a failed device
