@@ -4,7 +4,11 @@
                                    [--routings balanced,skewed] [--weights fp4|fp8|bf16]
                                    [--xla-max-tokens 4096] [--no-xla] [--runs 20]
                                    [--algorithms mma_fp8,mma_sync] [--prefill-algorithm wgmma]
+                                   [--no-peer] [--peer-min-tokens 512] [--peer-align 16]
+                                   [--peer-glue] [--peer-accum fast|precise]
                                    [--quick] [--tiny] [--out table.md]
+    python benchmarks/bench_moe.py --shapes flash --tokens 512,4096,16384 --routings balanced
+        (our op and the torch peer at the prefill sizes, in one run)
 
 Shapes: ``dsv4_jax.ffi.cases.DIMS`` -- Flash and Pro from ``Config.flash()`` / ``Config.pro()``
 (E=256 experts, d=4096, inter=2048, k=6; E=384, d=7168, inter=3072, k=6), ``tiny`` for a dry
@@ -31,6 +35,23 @@ activations are not counted) -> GB/s and % of the HBM peak (``timing.PEAK_TBPS``
 2 T k 3 d inter (useful, no padding) -> TF/s and % of the dense BF16 peak
 (``timing.PEAK_TFLOPS``; the FP8 peak is twice that). Memory: the executable's temporary bytes (``memory_analysis``) and the
 device's peak bytes in use so far (monotone over the run).
+
+The torch peer (``torch_peer.py``), in the same process and run, where torch with CUDA
+imports (else one line ``torch peer skipped: <reason>``, and the run goes on; ``--no-peer``
+leaves it out): PyTorch's FP8 grouped GEMM ``torch._scaled_grouped_mm`` on the routed
+experts' two GEMMs, [T k, d] x [E, 2 inter, d] and [T k, inter] x [E, d, inter], rows already
+sorted by expert, FP8 e4m3 operands with rowwise f32 scales, at every token count from
+``--peer-min-tokens`` (default 512; 1: all). Its routing is that of our op's input sets (the
+same R sets, expert counts -> cumulative int32 offsets), each expert's rows padded to a
+multiple of ``--peer-align`` (``auto``: none where a probe in a child process finds that the
+installed torch runs such groups right, else 16, which older torch asserts). Not timed: gathering,
+quantising and scattering rows, the per-token sum (all inside our op's time); SwiGLU and the
+FP8 quantisation between the GEMMs only with ``--peer-glue``. Timed with CUDA events as ours
+is timed (two warm-up executions; the median over ``--runs`` executions of R back-to-back
+calls on the R sets, divided by R). Columns: torch us, torch TF/s (the same useful FLOPs 2 T
+k 3 d inter, padding not counted), peer ratio = ours / torch (above 1: ours is slower), the
+share of padding rows in what torch executed. The peer's weights are FP8 whatever
+``--weights`` says, and live in the device memory JAX leaves free (25 % by default).
 """
 from __future__ import annotations
 
@@ -49,6 +70,7 @@ from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, PREFILL_ALGORITHMS,
                                                   WARP_ROWS_PER_EXPERT)
 from timing import PEAK_TBPS, PEAK_TFLOPS, calls_on_sets, is_oom, median_seconds, rates
+import torch_peer
 
 
 def make_sets(key, tokens, dims, kind, n_sets):
@@ -79,7 +101,7 @@ def device_peak_gib() -> float:
     return stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30
 
 
-def bench_case(name, dims, weights, tokens, kind, args, on_gpu):
+def bench_case(name, dims, weights, tokens, kind, args, on_gpu, peer=None):
     reps = calls_per_execution(tokens)
     sets = make_sets(jax.random.key(1000 + tokens), tokens, dims, kind, reps)
     touched = float(np.mean([cases.touched_groups(s[1]) for s in sets]))
@@ -115,8 +137,50 @@ def bench_case(name, dims, weights, tokens, kind, args, on_gpu):
         else:
             row["xla"], row["xla_temp_gib"] = seconds, temp / 2 ** 30
         gc.collect()
+    if peer is not None and tokens >= args.peer_min_tokens:
+        counts = [torch_peer.expert_counts(s[1], dims.experts) for s in sets]
+        got = torch_peer.time_peer(peer, counts, args.runs)
+        row["torch"], row["torch_rows"], row["torch_real_rows"] = (
+            got["seconds"], got["rows"], got["real_rows"])
     row["peak_gib"] = device_peak_gib()
     return row
+
+
+def peer_skipped(args) -> str | None:
+    """Why the torch peer is left out of this run (None: it runs): ``--no-peer``, no token
+    count reaches ``--peer-min-tokens``, or torch cannot run it (``torch_peer.unavailable``:
+    not installed, no CUDA device, ...)."""
+    if args.no_peer:
+        return "--no-peer"
+    if max(int(t) for t in args.tokens.split(",")) < args.peer_min_tokens:
+        return f"no token count >= --peer-min-tokens {args.peer_min_tokens}"
+    return torch_peer.unavailable()
+
+
+def peer_align(args) -> tuple[int, str | None]:
+    """The peer's rows per group: ``--peer-align``, or with ``auto`` 1 where
+    ``torch_peer.probe_unpadded`` succeeds, else ``torch_peer.ALIGN``; and the probe's note."""
+    if args.peer_align != "auto":
+        return int(args.peer_align), None
+    ok, line = torch_peer.probe_unpadded()
+    return (1 if ok else torch_peer.ALIGN), (
+        f"torch peer: {'unpadded groups' if ok else 'groups padded to 16'} (probe: {line})")
+
+
+def start_peer(args, name, dims, align):
+    """``(PeerRunner or None, the note to print)`` of one shape: its FP8 weights on the
+    device, or None where they do not fit next to ours."""
+    try:
+        peer = torch_peer.PeerRunner(dims, align=align, glue=args.peer_glue,
+                                     swiglu_limit=cases.SWIGLU_LIMIT,
+                                     fast_accum=args.peer_accum == "fast")
+        return peer, f"torch peer ({name}): {torch_peer.describe(peer)}"
+    except Exception as err:
+        if not torch_peer.is_oom(err):
+            raise
+        gc.collect()
+        torch_peer.empty_cache()
+        return None, f"torch peer skipped ({name}): out of memory ({str(err).splitlines()[0]})"
 
 
 def _fmt_time(v):
@@ -126,8 +190,9 @@ def _fmt_time(v):
 def table(rows) -> str:
     lines = ["| shape | weights | T | routing | experts touched | ours (us) | per algorithm (us) "
              f"| XLA (us) | speedup | GB/s | % of {PEAK_TBPS} TB/s | TF/s | % of {PEAK_TFLOPS:.0f} "
-             "| temp GiB ours / XLA | peak GiB |",
-             "|" + "---|" * 15]
+             "| temp GiB ours / XLA | peak GiB | torch (us) | torch TF/s "
+             "| peer ratio (ours / torch) | torch padding rows |",
+             "|" + "---|" * 19]
     for r in rows:
         ours = r.get("cute", "n/a")
         main = ours if isinstance(ours, float) else r.get("xla")
@@ -145,8 +210,24 @@ def table(rows) -> str:
             f"| {speedup} "
             f"| {rate['gbps']:.0f}{of} | {100 * rate['bw_frac']:.1f}% | {rate['tflops']:.1f}{of} "
             f"| {100 * rate['flops_frac']:.1f}% | {r.get('cute_temp_gib', float('nan')):.2f} / "
-            f"{r.get('xla_temp_gib', float('nan')):.2f} | {r['peak_gib']:.1f} |")
+            f"{r.get('xla_temp_gib', float('nan')):.2f} | {r['peak_gib']:.1f} | "
+            + peer_cells(r, ours) + " |")
     return "\n".join(lines)
+
+
+def peer_cells(r, ours) -> str:
+    """The torch peer's cells of a row: time, useful TF/s, ours / torch, padding rows (of
+    the executed rows); blank where the peer did not run."""
+    torch_s = r.get("torch")
+    if torch_s is None:
+        return " |  |  | "
+    if not isinstance(torch_s, float):
+        return f"{torch_s} |  |  | "
+    tflops = r["flops"] / torch_s / 1e12
+    ratio = f"{ours / torch_s:.2f}" if isinstance(ours, float) else ""
+    pad = r["torch_rows"] - r["torch_real_rows"]
+    return (f"{_fmt_time(torch_s)} | {tflops:.1f} | {ratio} | "
+            f"{100 * pad / max(r['torch_rows'], 1):.1f}%")
 
 
 def parse_args(argv=None):
@@ -168,8 +249,22 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes, T 1/8/64/512, 3 runs (a dry run of this script on "
                         "a CPU: XLA only)")
+    p.add_argument("--no-peer", action="store_true",
+                   help="leave out the torch peer (torch._scaled_grouped_mm)")
+    p.add_argument("--peer-min-tokens", type=int, default=512,
+                   help="time the torch peer at token counts from this one (1: every count)")
+    p.add_argument("--peer-align", default="auto",
+                   help="pad each expert's rows of the peer to a multiple of this; auto: 1 "
+                        "where a probe finds torch runs unpadded groups, else 16")
+    p.add_argument("--peer-glue", action="store_true",
+                   help="the peer also runs SwiGLU + the FP8 quantisation between its GEMMs "
+                        "(torch ops, timed)")
+    p.add_argument("--peer-accum", default="fast", choices=("fast", "precise"),
+                   help="the peer's FP8 accumulation (use_fast_accum)")
     p.add_argument("--out", help="write the table (with date, device, command) to this file")
     a = p.parse_args(argv)
+    if a.peer_align != "auto" and not (a.peer_align.isdigit() and int(a.peer_align) > 0):
+        p.error(f"--peer-align: auto or a positive integer, got {a.peer_align!r}")
     if a.quick:
         a.shapes, a.tokens, a.routings = "flash", "1,64,4096", "balanced"
     if a.tiny:
@@ -187,26 +282,43 @@ def main(argv=None):
     header = (f"moe_experts benchmark, {datetime.date.today()}, {dev.device_kind}, "
               f"jax {jax.__version__}, `python {' '.join(sys.argv)}`")
     print("# " + header + ("" if on_gpu else "  (no GPU: XLA only)"), flush=True)
-    rows = []
+    rows, peer_lines = [], []
+    skipped = peer_skipped(args)
+    if skipped is not None:
+        peer_lines.append(f"torch peer skipped: {skipped}")
+    else:
+        align, note = peer_align(args)
+        peer_lines += [note] if note else []
+    for line in peer_lines:
+        print(line, flush=True)
     for name in args.shapes.split(","):
         dims = cases.DIMS[name]
         p = cases.expert_weights(dims, args.weights)
         weights = jax.block_until_ready((p["w1"], p["w3"], p["w2"]))
         del p
+        peer = None
+        if skipped is None:                         # after ours: JAX has its memory first
+            peer, line = start_peer(args, name, dims, align)
+            peer_lines.append(line)
+            print(line, flush=True)
         for tokens in (int(t) for t in args.tokens.split(",")):
             for kind in args.routings.split(","):
-                row = bench_case(name, dims, weights, tokens, kind, args, on_gpu)
+                row = bench_case(name, dims, weights, tokens, kind, args, on_gpu, peer)
                 rows.append(row)
                 print(f"{name} T={tokens} {kind}: ours {_fmt_time(row.get('cute', 'n/a'))} us,"
-                      f" xla {_fmt_time(row.get('xla', 'n/a'))} us, "
-                      f"{row['touched']:.0f} experts touched", flush=True)
-        del weights
+                      f" xla {_fmt_time(row.get('xla', 'n/a'))} us"
+                      + (f", torch {_fmt_time(row['torch'])} us" if "torch" in row else "")
+                      + f", {row['touched']:.0f} experts touched", flush=True)
+        if peer is not None:
+            peer.release()
+        del weights, peer
         gc.collect()
     text = table(rows)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"{header}\n\n{text}\n")
+            f.write(f"{header}\n\n" + "".join(f"{line}\n" for line in peer_lines)
+                    + f"\n{text}\n")
 
 
 if __name__ == "__main__":

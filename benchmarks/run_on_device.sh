@@ -14,6 +14,8 @@
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_tests_all
 #       (every MoE GPU case, seven processes at once on the one GPU: about 8 min)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh moe_bench [bench_moe args]
+#       (with the torch peer, torch._scaled_grouped_mm, from T = 512 where torch imports;
+#        e.g. --shapes flash --tokens 512,4096,16384 --routings balanced --no-xla)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh model
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 set -u
