@@ -69,7 +69,7 @@ def chunk_at_prefix(cfg, policy, params, chunk: int, prefix: int, runs: int) -> 
 
 def run_prefixes(args, cfg, policy, params, out):
     lines = [f"### One {args.chunk}-token chunk into a cache holding P tokens, batch 1, "
-             f"{cfg.n_layers} Flash layers", "",
+             f"{cfg.n_layers} {args.model_name} layers", "",
              "| P | ms | x P=0 | tokens/s | temporaries (GiB) | arguments (GiB) | "
              "device peak so far (GiB) |", "|---|---|---|---|---|---|---|"]
     base = None
@@ -92,14 +92,16 @@ def run_prompt(args, cfg, policy, params, out):
         result = dj.generate(model, params, [prompt], options=opts)
     s = result.stats["prefill_s"]
     line = (f"### `dj.generate`, one {args.prompt}-token prompt, prefill_chunk {args.chunk}, "
-            f"{cfg.n_layers} Flash layers\n\nprefill {s:.2f} s, {args.prompt / s:.0f} tokens/s; "
-            f"4 new tokens; device peak so far {device_peak():.1f} GiB")
+            f"{cfg.n_layers} {args.model_name} layers\n\nprefill {s:.2f} s, "
+            f"{args.prompt / s:.0f} tokens/s; 4 new tokens; device peak so far "
+            f"{device_peak():.1f} GiB")
     print(line, flush=True)
     out.append(line)
 
 
 def run_decode_ctxs(args, cfg, policy, params, out):
-    lines = [f"### Decode step vs context, `dj.generate`'s loop, {cfg.n_layers} Flash layers",
+    lines = [f"### Decode step vs context, `dj.generate`'s loop, {cfg.n_layers} "
+             f"{args.model_name} layers",
              "", "| batch | ctx | ms per step | x first ctx |", "|---|---|---|---|"]
     for batch in args.batches:
         base = None
@@ -130,6 +132,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="Config.tiny, small sizes (CPU)")
     p.add_argument("--out", help="write the tables to this markdown file")
     args = p.parse_args(argv)
+    args.model_name = "tiny" if args.tiny else "Flash"
     if args.tiny:
         args.chunk, args.layers = min(args.chunk, 256), min(args.layers, 4)
     return args
