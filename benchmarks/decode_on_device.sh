@@ -11,6 +11,8 @@
 #   tests:    GPU tests of the grouped-GEMM op at the model's shapes and of the model
 #   prefill:  decode_step.py --prefill at CHUNKS (4096)
 #   moe_tests: the routed experts' GPU tests (tests/test_moe.py), two processes
+#   long:     long_context.py: a CHUNK (4096) chunk at PREFIXES (0,32768,131072), a PROMPT-token
+#             dj.generate (0: skipped), decode at DECODE_CTXS (none) x BATCHES
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DSV4_KERNEL_CACHE=/tmp/dsv4_kernels
@@ -35,6 +37,11 @@ for what in "$@"; do
               --attribute-batches 0 ${SPECULATIVE:+--speculative} ;;
     prefill) run_bench prefill "" ${PREFILL_TIMEOUT:-240} --prefill --impls auto \
                --chunks ${CHUNKS:-4096} --profile-chunk ${CHUNKS:-4096} ;;
+    long) (cd benchmarks && timeout ${LONG_TIMEOUT:-540} python3 long_context.py \
+             --out "$OUT/long_context.md" --chunk ${CHUNK:-4096} \
+             --prefixes ${PREFIXES:-0,32768,131072} --prompt ${PROMPT:-0} \
+             ${DECODE_CTXS:+--decode-ctxs $DECODE_CTXS} --batches ${BATCHES:-1,8} --steps $steps 2>&1 \
+             | grep -v Warning | tee "$OUT/long_context.log" | tail -${TAIL:-40}) ;;
     tests)
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-300} \
         python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=8 \
