@@ -100,11 +100,12 @@ def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None
     """Pure-JAX definition of ``index_topk`` (runs anywhere); ``block=None``: ``choose_block``.
 
     The first step scores the first ``ceil(k' / block)`` blocks (one at a time) and takes
-    their top k', so the running set always holds k' real entries; each later block is merged by a top-k
-    over ``[running, block]``. ``lax.top_k`` puts the lower position first on ties, and the
-    running set (itself in top-k order) sits before the block, whose entries all have higher
-    ids, so ties resolve by id exactly as one top-k over the whole table. Blocks past the
-    longest row's visible entries are skipped (a ``while_loop``): they would only add -inf
+    their top k', so the running set always holds k' real entries; each later block is merged
+    by a top-k over ``[running, block]``. ``lax.top_k`` puts the lower position first on
+    ties, and the running set (itself in top-k order) sits before the block, whose entries all
+    have higher ids, so ties resolve by id exactly as one top-k over the whole table (a visible
+    entry scored -inf included: it outranks the invisible ones by id, as there). Blocks past
+    the longest row's visible entries are skipped (a ``while_loop``): they would only add -inf
     candidates with higher ids than every entry already held, which never displace one.
     """
     check_index_topk_args(q, weights, keys, visible, k, block)
@@ -125,7 +126,7 @@ def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None
         keys_i = jax.lax.dynamic_slice_in_dim(keys, lo, width, axis=1)
         return _scores(q, weights, keys_i, lo, limit)
 
-    if first == 1:                  # decode: the whole table in one block, as one einsum
+    if first == 1:                  # one einsum (decode: the whole table, as before the op)
         score, _ = _scores(q, weights, keys[:, :width] if n_blocks > 1 else keys, 0, limit)
     else:                           # [B, S, first * width] from one block's temporaries
         parts = jax.lax.map(lambda i: block_scores(i)[0], jnp.arange(first, dtype=jnp.int32))

@@ -88,6 +88,19 @@ def test_ties_resolve_to_the_lower_id_as_one_top_k(block):
     assert all(np.unique(row).size <= 7 for row in scores.reshape(-1, 900))
 
 
+@pytest.mark.parametrize("block", [128, None])
+def test_visible_entries_scored_minus_infinity_rank_before_invisible_ones(block):
+    """Weights at the edge of BF16 overflow the weighted products to -inf: such visible
+    entries still come before the invisible ones (by id), as in one top-k."""
+    q, w, keys, _ = _inputs(1, 3, 4, 32, 700, seed=4)
+    w = w.at[0, 1].set(-3e38).at[0, 2, :2].set(-3e38)
+    visible = jnp.array([[650, 600, 690]], jnp.int32)
+    scores = np.asarray(_dense_scores(q, w, keys), np.float32)
+    assert np.isneginf(scores[0, 1, :600]).sum() > 300 and np.isneginf(scores[0, 2]).any()
+    got = _check((q, w, keys, visible), 400, block)
+    assert (got[0, 1] >= 0).all()
+
+
 def test_short_rows_in_a_long_table_stop_early_and_stay_exact():
     """The loop runs only as many blocks as the longest row sees; rows with fewer visible
     entries than k list them all, then -1."""
