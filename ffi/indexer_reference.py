@@ -86,9 +86,9 @@ def _scores(q, weights, keys, lo, limit):
     score = jnp.einsum("bshd,btd->bsht", q, keys.astype(dt),
                        preferred_element_type=jnp.float32).astype(dt)
     # relu(score) * weights rounded to dt, written as the exact f32 product of two dt values
-    # and an explicit rounding: XLA's CPU dot fusion (YNNPACK) dropped the rounding of a dt
-    # multiply followed by the f32 head sum once the table had a few hundred entries, which
-    # made the scores depend on the block width.
+    # and an explicit rounding: XLA's CPU dot fusion (YNNPACK) drops the rounding of a dt
+    # multiply feeding the f32 head sum in some shapes and not others (the whole model's
+    # CPU program dropped it), which would make the ids depend on the block width.
     prod = jax.nn.relu(score).astype(jnp.float32) * weights[..., None].astype(jnp.float32)
     prod = _round_to(prod, dt)
     score = jnp.sum(prod, axis=2).astype(dt)                                 # [B, S, width]

@@ -8,7 +8,11 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import dsv4_jax as dj
+from dsv4_jax.cache import init_layer_cache
 from dsv4_jax.ffi import KernelPolicy, index_topk, index_topk_reference, op_spec
+from dsv4_jax.models import compressor
+from dsv4_jax.models.layers import rope_inv_freq
 from dsv4_jax.ffi.indexer_reference import MIN_BLOCK, SCORE_BLOCK_BUDGET_BYTES, choose_block
 
 BF16 = jnp.bfloat16
@@ -27,8 +31,8 @@ def dense_topk(q, weights, table, visible, k):
     """The Indexer's code before the op: all ``[B, S, H, N]`` scores, one ``lax.top_k``.
 
     Run op by op (not under ``jit``): compiled as one program, XLA's CPU dot fusion drops the
-    bf16 rounding of the weighted products once N is a few hundred, so the fused program's
-    numbers depend on N; op by op every rounding the formula writes happens."""
+    bf16 rounding of the weighted products in some shapes (N of a few hundred here), so the
+    fused program's numbers depend on the shapes; op by op every rounding it writes happens."""
     score = _dense_scores(q, weights, table)
     n_entries = table.shape[1]
     entry = jnp.arange(n_entries)
@@ -184,6 +188,39 @@ def _bad(**change):
 def test_bad_input_names_the_argument(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_the_models_indexer_selects_the_dense_formulas_ids(monkeypatch):
+    """The BF16 model's Indexer, compiled as a whole, selects what the dense formula run op by
+    op selects from the same queries, weights and key table (captured from the op's call):
+    every rounding of §3.5 happens inside the model's program too."""
+    cfg = dj.Config.tiny()
+    b, s, max_len = 2, 300, 2048
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(args[:4])
+        return index_topk(*args, **kwargs)
+
+    monkeypatch.setattr(compressor, "index_topk", spy)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((b, s, cfg.dim)), BF16)
+    qr = jnp.asarray(rng.standard_normal((b, s, cfg.q_lora_rank)), BF16)
+    lengths, num_new = jnp.array([0, 40], jnp.int32), jnp.array([s, s - 40], jnp.int32)
+    positions = lengths[:, None] + jnp.arange(s)[None, :]
+    lcache = init_layer_cache(cfg, 1, b, max_len, BF16)
+    inv_freq = rope_inv_freq(cfg, compressed=True)
+    indexer = compressor.Indexer(cfg)
+    params = indexer.init(jax.random.key(0), x, qr, positions, lcache, lengths, num_new,
+                          inv_freq)
+
+    def run(params):
+        top, _ = indexer.apply(params, x, qr, positions, lcache, lengths, num_new, inv_freq)
+        return top, seen[-1]
+
+    top, operands = jax.jit(run)(params)
+    assert operands[2].shape[1] == max_len // 4
+    np.testing.assert_array_equal(np.asarray(top), dense_topk(*operands, cfg.index_topk))
 
 
 def test_memory_does_not_grow_with_the_context():
