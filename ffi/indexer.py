@@ -17,18 +17,18 @@ Contract::
     top        = lax.top_k(I, k') ids (value descending, the lower id first on ties),
                  each id >= visible[b, s] replaced by -1
 
-``rnd`` rounds to q's dtype; the dot products accumulate in f32 (the model's rounding points,
-bit for bit as the dense one-shot formula). Rows with fewer than k' visible entries list
-them all, then -1; N = 0 gives ``[B, S, 0]``.
+``rnd`` rounds to q's dtype; the dot products accumulate in f32 (the model's rounding points:
+the ids are bit for bit those of the dense one-shot formula with every rounding applied).
+Rows with fewer than k' visible entries list them all, then -1; N = 0 gives ``[B, S, 0]``.
 
 Memory: the scores are never ``[B, S, H, N]`` at once. The reference computes them ``block``
 entries at a time (the last block padded with invisible entries) and merges each block into
-a running top-k, so its largest temporary is ``[B, S, H, block]`` f32 whatever N is; blocks
-past the longest row's visible entries are not computed, so a short context in a large cache
-costs its own length. ``block=None`` is ``indexer_reference.choose_block``: the whole table in
-one block when its f32 scores fit in ``SCORE_BLOCK_BUDGET_BYTES`` (decode: one score einsum
-and one top-k), else the largest multiple of ``MIN_BLOCK`` entries that fits. The ids do not
-depend on ``block``.
+a running top-k, so its largest temporaries are ``[B, S, H, block]`` f32 whatever N is (XLA
+on CPU keeps two: the dot's output and the rounded products); blocks past the longest row's
+visible entries are not computed, so a short context in a large cache costs its own length.
+``block=None`` is ``indexer_reference.choose_block``: the whole table in one block when its
+f32 scores fit in ``SCORE_BLOCK_BUDGET_BYTES`` (decode: one score einsum and one top-k), else
+the largest multiple of ``MIN_BLOCK`` entries that fits. The ids do not depend on ``block``.
 
 Implementations: ``"xla"``, ``index_topk_reference`` (``ffi/indexer_reference.py``). There is
 no kernel yet; a CuTe kernel will implement the same contract and register as ``"cute"``.
