@@ -5,6 +5,7 @@ Importing this package registers every op (``registry.op_names()``); ``KernelPol
 """
 from .grouped_gemm import grouped_gemm, grouped_gemm_reference
 from .hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
+from .indexer import index_topk, index_topk_reference
 from .moe import (moe_expert_rows, moe_expert_rows_reference, moe_experts,
                   moe_experts_reference)
 from .policy import GroupedGemmPolicy, KernelPolicy
@@ -12,7 +13,7 @@ from .registry import op_names, op_spec
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "hc_split_sinkhorn",
-           "hc_split_sinkhorn_reference", "moe_expert_rows",
-           "moe_expert_rows_reference", "moe_experts", "moe_experts_reference",
+           "hc_split_sinkhorn_reference", "index_topk", "index_topk_reference",
+           "moe_expert_rows", "moe_expert_rows_reference", "moe_experts", "moe_experts_reference",
            "sparse_attention", "sparse_attention_reference", "GroupedGemmPolicy",
            "KernelPolicy", "op_names", "op_spec"]

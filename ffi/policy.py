@@ -85,7 +85,8 @@ class KernelPolicy:
     """Which implementation every op runs, and how its kernels are configured.
 
     implementation: the default of every op: ``"cute"`` (the kernel; raises where it cannot
-      run), ``"xla"`` (the reference) or None (the kernel where it runs, else the reference).
+      run; an op with no kernel runs its reference), ``"xla"`` (the reference) or None (the
+      kernel where it runs, else the reference).
     ops: per-op implementations overriding the default, ``{"sparse_attention": "xla"}``
       (a mapping or pairs; stored as sorted pairs so the value stays hashable).
     grouped_gemm: the grouped GEMM's ``GroupedGemmPolicy``.
@@ -104,9 +105,15 @@ class KernelPolicy:
                             f"{type(self.grouped_gemm).__name__}")
 
     def implementation_for(self, op: str) -> str | None:
-        """The implementation ``op`` runs under this policy (``ops`` first, then the default)."""
-        op_spec(op)
-        return dict(self.ops).get(op, self.implementation)
+        """The implementation ``op`` runs under this policy (``ops`` first, then the default).
+
+        A default the op does not have (``"cute"`` for an op with no kernel yet) gives its
+        reference: the default means "the kernel wherever there is one"."""
+        spec = op_spec(op)
+        chosen = dict(self.ops).get(op, self.implementation)
+        if chosen is not None and chosen not in spec.implementations:
+            return REFERENCE
+        return chosen
 
     @classmethod
     def coerce(cls, value) -> "KernelPolicy":

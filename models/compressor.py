@@ -18,6 +18,7 @@ from flax import struct
 
 from dsv4_jax.config import CSA_RATIO, Config, compressor_overlap
 from dsv4_jax import quant
+from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .layers import Linear, RMSNorm, act_dtype, normal_init, rope_tail
 
@@ -155,16 +156,9 @@ class Indexer(nn.Module):
         table = write_entries(lcache.index_keys, chunk.entries, ids)
         weights = Linear(cfg, cfg.dim, nh, "plain", name="weights_proj")(x)
         weights = (weights * (hd ** -0.5 * nh ** -0.5)).astype(dt)
-        # Rounded as the reference: bf16 einsum, relu, x weights, head sum (f32 acc) in bf16.
-        score = jnp.einsum("bshd,btd->bsht", q, table.astype(dt),
-                           preferred_element_type=jnp.float32).astype(dt)
-        score = (jax.nn.relu(score) * weights[..., None]).astype(dt)
-        score = jnp.sum(score.astype(jnp.float32), axis=2).astype(dt)            # [B,S,N]
-        n_entries = table.shape[1]
+        # The scores [B,S,H,N] are never materialised: the op merges blocks of entries into a
+        # running top-k with the reference's rounding points (ffi/indexer.py).
         visible = (positions + 1) // m                                          # [B,S]
-        entry = jnp.arange(n_entries)
-        score = jnp.where(entry[None, None, :] < visible[..., None], score, -jnp.inf)
-        k = min(cfg.index_topk, n_entries)
-        _, top = jax.lax.top_k(score, k)
-        top = jnp.where(top < visible[..., None], top, -1).astype(jnp.int32)
+        top = index_topk(q, weights, table, visible, cfg.index_topk,
+                         implementation=self.policy.implementation_for("index_topk"))
         return top, chunk

@@ -1,0 +1,67 @@
+"""The lightning indexer's scores and top-k (docs/architecture.md §3.5, §12): which compressed
+entries each query of a CSA layer attends.
+
+Contract::
+
+    index_topk(q, weights, keys, visible, k, *, block=None, implementation=None)
+        -> top [B, S, k'] int32 entry ids, -1 for an unused slot;  k' = min(k, N)
+
+    q:       [B, S, H, D]  floating (the rotated, FP4-simulated index queries, the act dtype)
+    weights: [B, S, H]     q's dtype (the head weights, already scaled)
+    keys:    [B, N, D]     floating (the index key table; cast to q's dtype)
+    visible: [B, S]        integer: query (b, s) sees entries 0 .. visible[b, s] - 1
+    k:       static int >= 1;   block: static int >= 1 or None
+
+    I[b, s, j] = rnd(sum_h f32(rnd(relu(rnd(q[b, s, h] . keys[b, j])) * weights[b, s, h])))
+    I[b, s, j] = -inf where j >= visible[b, s]
+    top        = lax.top_k(I, k') ids (value descending, the lower id first on ties),
+                 each id >= visible[b, s] replaced by -1
+
+``rnd`` rounds to q's dtype; the dot products accumulate in f32 (the model's rounding points:
+the ids are bit for bit those of the dense one-shot formula with every rounding applied).
+Rows with fewer than k' visible entries list them all, then -1; N = 0 gives ``[B, S, 0]``.
+
+Memory: the scores are never ``[B, S, H, N]`` at once. The reference computes them ``block``
+entries at a time (the last block padded with invisible entries) and merges each block into
+a running top-k, so its largest temporaries are ``[B, S, H, block]`` f32 whatever N is (XLA
+on CPU keeps two: the dot's output and the rounded products); blocks past the longest row's
+visible entries are not computed, so a short context in a large cache costs its own length.
+``block=None`` is ``indexer_reference.choose_block``: the whole table in one block when its
+f32 scores fit in ``SCORE_BLOCK_BUDGET_BYTES`` (decode: one score einsum and one top-k), else
+the largest multiple of ``MIN_BLOCK`` entries that fits. The ids do not depend on ``block``.
+
+Implementations: ``"xla"``, ``index_topk_reference`` (``ffi/indexer_reference.py``). There is
+no kernel yet; a CuTe kernel will implement the same contract and register as ``"cute"``.
+Until then ``implementation`` takes None or ``"xla"`` (both run the reference), and a
+``KernelPolicy`` whose default is ``"cute"`` runs this op's reference.
+"""
+from __future__ import annotations
+
+from .dispatch import dispatch
+from .indexer_reference import (MIN_BLOCK, SCORE_BLOCK_BUDGET_BYTES, check_index_topk_args,
+                                choose_block, index_topk_reference)
+from .registry import REFERENCE, OpSpec, register
+
+__all__ = ["index_topk", "index_topk_reference", "check_index_topk_args", "choose_block",
+           "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
+
+
+def _support(*_, **__) -> tuple[bool, str]:
+    return False, "index_topk has no CuTe kernel yet"
+
+
+def _no_kernel(*_):
+    raise NotImplementedError("index_topk has no CuTe kernel yet")
+
+
+def index_topk(q, weights, keys, visible, k: int, *, block: int | None = None,
+               implementation: str | None = None):
+    """The indexer's top-k entry ids; see the module docstring. ``implementation``: None or
+    ``"xla"`` (the reference; the op has no kernel yet)."""
+    check_index_topk_args(q, weights, keys, visible, k, block)
+    return dispatch("index_topk", implementation, _support,
+                    lambda qq, w, kt, v: index_topk_reference(qq, w, kt, v, k, block=block),
+                    _no_kernel, q, weights, keys, visible)
+
+
+register(OpSpec("index_topk", index_topk_reference, _support, implementations=(REFERENCE,)))

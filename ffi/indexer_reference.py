@@ -1,0 +1,150 @@
+"""The indexer top-k's pure-JAX reference, its block rule and argument checks (contract:
+``ffi/indexer.py``).
+
+The scores are computed ``block`` entries at a time and merged into a running top-k, so the
+largest temporary is one block's ``[B, S, H, block]`` f32 scores whatever the context length.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["index_topk_reference", "check_index_topk_args", "choose_block",
+           "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
+
+# The largest per-block temporary, the f32 scores ``[B, S, H, block]``: a 4096-token prefill
+# chunk with 64 heads gets blocks of 256 entries, a decode step the whole table in one block.
+# Small next to the model's other activations on an H200, and large enough that each block's
+# einsum and top-k are big launches rather than many small ones.
+SCORE_BLOCK_BUDGET_BYTES = 256 << 20
+# The smallest automatic block: below it the per-block top-k (over k + block candidates) costs
+# more than the scores it saves, and it keeps the block a multiple of the tensor-core tiles.
+MIN_BLOCK = 128
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def choose_block(b: int, s: int, h: int, n: int) -> int:
+    """The automatic block: the whole table when its ``b s h n`` f32 scores fit in
+    ``SCORE_BLOCK_BUDGET_BYTES``, else the largest multiple of ``MIN_BLOCK`` that fits (at
+    least ``MIN_BLOCK``)."""
+    per_entry = max(1, b * s * h * 4)
+    fit = SCORE_BLOCK_BUDGET_BYTES // per_entry
+    if fit >= n:
+        return max(n, 1)
+    return min(max(MIN_BLOCK, fit // MIN_BLOCK * MIN_BLOCK), n)
+
+
+def _int_value(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_index_topk_args(q, weights, keys, visible, k, block=None) -> None:
+    """``TypeError``/``ValueError`` naming the argument and its shape, in one line."""
+    op = "index_topk"
+    if q.ndim != 4:
+        raise ValueError(f"{op}: q must be [B, S, H, D]; q has shape {tuple(q.shape)}")
+    b, s, h, d = q.shape
+    if tuple(weights.shape) != (b, s, h):
+        raise ValueError(f"{op}: weights must be [B, S, H] = {(b, s, h)} as q "
+                         f"{tuple(q.shape)}; weights has shape {tuple(weights.shape)}")
+    if keys.ndim != 3 or keys.shape[0] != b or keys.shape[2] != d:
+        raise ValueError(f"{op}: keys must be [B = {b}, N, D = {d}] as q {tuple(q.shape)}; "
+                         f"keys has shape {tuple(keys.shape)}")
+    if tuple(visible.shape) != (b, s):
+        raise ValueError(f"{op}: visible must be [B, S] = {(b, s)} as q {tuple(q.shape)}; "
+                         f"visible has shape {tuple(visible.shape)}")
+    for name, x in (("q", q), ("weights", weights), ("keys", keys)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{op}: {name} must be floating; {name} has dtype {x.dtype}")
+    if weights.dtype != q.dtype:
+        raise TypeError(f"{op}: weights must have q's dtype {q.dtype}; weights has dtype "
+                        f"{weights.dtype}")
+    if not jnp.issubdtype(visible.dtype, jnp.integer):
+        raise TypeError(f"{op}: visible must be integer; visible has dtype {visible.dtype}")
+    if not _int_value(k) or k < 1:
+        raise ValueError(f"{op}: k must be a positive int, got {k!r}")
+    if block is not None and (not _int_value(block) or block < 1):
+        raise ValueError(f"{op}: block must be None or a positive int, got {block!r}")
+
+
+def _round_to(x, dtype):
+    """``x`` (f32) rounded to ``dtype``'s precision, kept in f32 (a no-op for f32)."""
+    info = jnp.finfo(dtype)
+    if info.bits >= 32:
+        return x
+    return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+def _scores(q, weights, keys, lo, limit):
+    """The masked scores ``[B, S, width]`` of entries ``lo .. lo + width - 1`` (``keys`` holds
+    exactly those), with the model's rounding points: the bf16 einsum accumulated in f32 and
+    rounded, relu, times the weights rounded, the head sum in f32 rounded."""
+    dt = q.dtype
+    score = jnp.einsum("bshd,btd->bsht", q, keys.astype(dt),
+                       preferred_element_type=jnp.float32).astype(dt)
+    # relu(score) * weights rounded to dt, written as the exact f32 product of two dt values
+    # and an explicit rounding: XLA's CPU dot fusion (YNNPACK) drops the rounding of a dt
+    # multiply feeding the f32 head sum in some shapes and not others (the whole model's
+    # CPU program dropped it), which would make the ids depend on the block width.
+    prod = jax.nn.relu(score).astype(jnp.float32) * weights[..., None].astype(jnp.float32)
+    prod = _round_to(prod, dt)
+    score = jnp.sum(prod, axis=2).astype(dt)                                 # [B, S, width]
+    entry = lo + jnp.arange(keys.shape[1], dtype=jnp.int32)
+    return jnp.where(entry[None, None, :] < limit[..., None], score, -jnp.inf), entry
+
+
+def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None = None):
+    """Pure-JAX definition of ``index_topk`` (runs anywhere); ``block=None``: ``choose_block``.
+
+    The first step scores the first ``ceil(k' / block)`` blocks (one at a time) and takes
+    their top k', so the running set always holds k' real entries; each later block is merged
+    by a top-k over ``[running, block]``. ``lax.top_k`` puts the lower position first on
+    ties, and the running set (itself in top-k order) sits before the block, whose entries all
+    have higher ids, so ties resolve by id exactly as one top-k over the whole table (a visible
+    entry scored -inf included: it outranks the invisible ones by id, as there). Blocks past
+    the longest row's visible entries are skipped (a ``while_loop``): they would only add -inf
+    candidates with higher ids than every entry already held, which never displace one.
+    """
+    check_index_topk_args(q, weights, keys, visible, k, block)
+    b, s, h, _ = q.shape
+    n = keys.shape[1]
+    if n == 0:
+        return jnp.full((b, s, 0), -1, jnp.int32)
+    kk = min(k, n)
+    width = choose_block(b, s, h, n) if block is None else min(block, n)
+    n_blocks = _cdiv(n, width)
+    first = min(_cdiv(kk, width), n_blocks)
+    limit = jnp.minimum(visible.astype(jnp.int32), n)     # entries past the table are none
+    if n_blocks * width != n:                             # padded entries are never visible
+        keys = jnp.pad(keys, ((0, 0), (0, n_blocks * width - n), (0, 0)))
+
+    def block_scores(i):
+        lo = i * width
+        keys_i = jax.lax.dynamic_slice_in_dim(keys, lo, width, axis=1)
+        return _scores(q, weights, keys_i, lo, limit)
+
+    if first == 1:                  # one einsum (decode: the whole table, as before the op)
+        score, _ = _scores(q, weights, keys[:, :width] if n_blocks > 1 else keys, 0, limit)
+    else:                           # [B, S, first * width] from one block's temporaries
+        parts = jax.lax.map(lambda i: block_scores(i)[0], jnp.arange(first, dtype=jnp.int32))
+        score = jnp.moveaxis(parts, 0, 2).reshape(b, s, first * width)
+    values, ids = jax.lax.top_k(score, kk)                # positions are ids: it starts at 0
+
+    if n_blocks > first:
+        needed = _cdiv(jnp.max(limit), width)
+        stop = jnp.clip(needed, first, n_blocks).astype(jnp.int32)
+
+        def body(carry):
+            i, values, ids = carry
+            score, entry = block_scores(i)
+            cand = jnp.concatenate([values, score], axis=-1)
+            cand_ids = jnp.concatenate([ids, jnp.broadcast_to(entry, score.shape)], axis=-1)
+            values, pos = jax.lax.top_k(cand, kk)
+            return i + 1, values, jnp.take_along_axis(cand_ids, pos, axis=-1)
+
+        _, values, ids = jax.lax.while_loop(lambda c: c[0] < stop, body,
+                                            (jnp.int32(first), values, ids))
+    return jnp.where(ids < limit[..., None], ids, -1).astype(jnp.int32)
