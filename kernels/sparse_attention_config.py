@@ -93,9 +93,15 @@ DEFAULT_CONFIG = SparseAttentionSm90Config()
 
 def choose_num_splits(num_tokens: int, num_heads: int, num_slots: int,
                       block_n: int = DEFAULT_CONFIG.block_n, num_sms: int = NUM_SMS) -> int:
-    """Flash-decoding split count: the fewest splits minimising waves x blocks per split."""
+    """Flash-decoding split count: the fewest splits minimising waves x blocks per split, for
+    launches that leave SMs idle without a split. A launch that already fills the SMs never
+    splits: its partials (``splits x T x H x 512`` f32, written then read by the combine)
+    would cost far more than the tail of its last wave (at a 4096-token prefill chunk they
+    were gigabytes: docs/performance.md, long context)."""
     num_blocks = max(1, -(-num_slots // block_n))
     ctas = num_tokens * (num_heads // HEAD_BLOCK)
+    if ctas >= num_sms:
+        return 1
     best, best_cost = 1, None
     for splits in range(1, num_blocks + 1):
         per_split = -(-num_blocks // splits)

@@ -106,6 +106,10 @@ def test_support_predicate(t, h, k, k2, n, m, ok):
 def test_split_heuristic_fills_the_machine():
     assert support.choose_num_splits(64, 128, 1152) == 1      # 128 CTAs: one wave already
     assert support.choose_num_splits(128, 64, 640) == 1
+    # a launch that fills the SMs never splits (a prefill chunk: the partials were gigabytes)
+    for t, h, slots in [(4096, 64, 640), (4096, 64, 128 + 1056), (132, 64, 640),
+                        (2048, 128, 1152)]:
+        assert support.choose_num_splits(t, h, slots) == 1, (t, h, slots)
     for t, h, slots in [(1, 128, 1152), (8, 128, 1152), (1, 64, 640), (8, 64, 640)]:
         splits = support.choose_num_splits(t, h, slots)
         ctas = t * (h // 64) * splits
