@@ -447,10 +447,15 @@ def main(argv=None):
         run_prefill(args, base, params, out)
     stats = dev.memory_stats() or {}
     out.append(f"peak device memory {gib(stats.get('peak_bytes_in_use', 0)):.1f} GiB")
-    text = "\n\n".join(out)
+    emit_tables(header, out, args.out)
+
+
+def emit_tables(header: str, tables: list, path: str | None) -> None:
+    """Print the tables and, with a ``path``, write them under the run's header."""
+    text = "\n\n".join(tables)
     print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(f"{header}\n\n{text}\n")
 
 

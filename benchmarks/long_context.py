@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from dsv4_jax.ffi.policy import KernelPolicy
 import step_figures as figures
-from decode_step import device_params, gib, make_step, stack_config
+from decode_step import device_params, emit_tables, gib, make_step, stack_config
 
 
 def device_peak() -> float:
@@ -155,11 +155,7 @@ def main(argv=None):
         run_prompt(args, cfg, policy, params, out)
     if args.decode_ctxs:
         run_decode_ctxs(args, cfg, policy, params, out)
-    text = "\n\n".join(out)
-    print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"{header}\n\n{text}\n")
+    emit_tables(header, out, args.out)
 
 
 if __name__ == "__main__":
