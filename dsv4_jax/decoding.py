@@ -100,13 +100,19 @@ def prefill_alignment(cfg) -> int:
     return int(align)
 
 
-def default_prefill_chunk(cfg) -> int:
-    """The chunk ``prefill_chunk=None`` takes: 4096 tokens on a GPU (docs/performance.md,
-    prefill: throughput per layer flattens above it while activations keep growing), 512
-    elsewhere (CPU runs are small models); rounded up to ``prefill_alignment``."""
-    chunk = 4096 if jax.default_backend() == "gpu" else 512
+# Prompt tokens one prefill call takes over all rows together: on a GPU where prefill
+# throughput per layer flattens while activations keep growing (docs/performance.md,
+# prefill); CPU runs are small models.
+PREFILL_CALL_TOKENS = {"gpu": 4096, "cpu": 512}
+
+
+def default_prefill_chunk(cfg, batch: int = 1) -> int:
+    """The chunk ``prefill_chunk=None`` takes: ``PREFILL_CALL_TOKENS`` shared by the
+    ``batch`` rows (so a call's activations do not grow with the batch), rounded down to a
+    multiple of ``prefill_alignment`` and at least one alignment."""
+    tokens = PREFILL_CALL_TOKENS.get(jax.default_backend(), PREFILL_CALL_TOKENS["cpu"])
     align = prefill_alignment(cfg)
-    return -(-chunk // align) * align
+    return max(align, tokens // max(int(batch), 1) // align * align)
 
 
 def prefill_chunks(longest: int, chunk: int) -> tuple:
@@ -164,7 +170,7 @@ def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=Non
     chunk = options.prefill_chunk
     align = prefill_alignment(cfg)
     if chunk is None:
-        chunk = default_prefill_chunk(cfg)
+        chunk = default_prefill_chunk(cfg, len(ids))
     elif chunk % align:
         raise ValueError(f"prefill_chunk must be a positive multiple of {align} (the "
                          f"compression ratios {sorted(set(cfg.compress_ratios) - {0})}), got "

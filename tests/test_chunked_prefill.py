@@ -35,7 +35,8 @@ def test_chunk_plan():
     assert prefill_chunks(130_000, 4096)[-1] == (126_976, 4096)    # 31 full + bucket(3024)
     assert len(prefill_chunks(130_000, 4096)) == 32
     assert prefill_alignment(CFG) == 128 and prefill_alignment(dj.Config.flash()) == 128
-    assert default_prefill_chunk(CFG) % 128 == 0
+    one, four, many = (default_prefill_chunk(CFG, b) for b in (1, 4, 1000))
+    assert one % 128 == 0 and four == max(128, one // 4 // 128 * 128) and many == 128
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -72,7 +73,8 @@ def test_chunked_prefill_equals_one_shot(tiny, speculative):
 
 def test_generate_and_stream_with_small_chunks(tiny):
     model, params = tiny
-    one = generate(model, params, PROMPTS, 5, stop_tokens=(), logprobs=True, max_len=MAX_LEN)
+    one = generate(model, params, PROMPTS, 5, stop_tokens=(), logprobs=True, max_len=MAX_LEN,
+                   prefill_chunk=384)                                 # one call
     small = generate(model, params, PROMPTS, 5, stop_tokens=(), logprobs=True, max_len=MAX_LEN,
                      prefill_chunk=128)
     assert small.tokens == one.tokens
