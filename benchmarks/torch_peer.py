@@ -42,7 +42,7 @@ assert would end the process's CUDA context, ours included. ``probe_unpadded`` t
 tries groups of 5, 0, 16, 21 and 3 rows in a child process (checked against an f32
 reference); where that fails, each group's rows are padded to ``align`` = 16. Padded rows
 are zero inputs that the GEMMs compute anyway; the FLOP figures count only the real rows
-(``real_flops``: 2 rows 3 d inter, as ``cases.moe_flops``), and ``padded_offsets`` says how
+(``cases.moe_flops``: 2 rows 3 d inter), and ``padded_offsets`` says how
 many rows were executed.
 
 Timing (``PeerRunner.seconds``), mirroring ``timing.median_seconds`` with ``calls_on_sets``:
@@ -101,12 +101,6 @@ def real_rows_mask(counts, align: int = ALIGN) -> np.ndarray:
     rows = np.arange(total)
     group = np.searchsorted(offs, rows, side="right")
     return rows - starts[group] < np.asarray(counts, np.int64)[group]
-
-
-def real_flops(counts, dim: int, inter: int) -> int:
-    """Useful FLOPs of the two GEMMs on ``counts`` real rows: 2 rows (2 inter d + d inter) =
-    2 rows 3 d inter (``cases.moe_flops``; padding not counted)."""
-    return 2 * int(np.sum(counts)) * 3 * dim * inter
 
 
 # ----------------------------------------------------------------------------- torch
