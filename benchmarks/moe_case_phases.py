@@ -36,10 +36,7 @@ import jax  # noqa: E402
 from dsv4_jax.ffi import cases  # noqa: E402
 from dsv4_jax.ffi.moe_sm90 import moe_config  # noqa: E402
 from dsv4_jax.ffi.policy import GroupedGemmPolicy  # noqa: E402
-from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS,  # noqa: E402
-                                                  DEFAULT_DECODE_ALGORITHM,
-                                                  DEFAULT_PREFILL_ALGORITHM, MAX_SPLIT_K,
-                                                  PREFILL_ALGORITHMS)
+from policy_flags import add_policy_flags, policy_of_flags  # noqa: E402
 
 TOL = 1e-2                                 # tests/test_moe.py's tolerance
 TINY_CASES = ("tiny-fp4-3-random", "tiny-fp8-8-dropped", "tiny-bf16-8-few_experts",
@@ -75,16 +72,11 @@ def phases(case_name: str, implementation: str, policy: GroupedGemmPolicy) -> No
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("cases", nargs="*", help="dims-format-tokens-routing, e.g. flash-fp4-8-random")
-    p.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM, choices=ALGORITHMS,
-                   help="decode algorithm (GroupedGemmPolicy)")
-    p.add_argument("--prefill-algorithm", default=DEFAULT_PREFILL_ALGORITHM,
-                   choices=PREFILL_ALGORITHMS, help="prefill algorithm (GroupedGemmPolicy)")
-    p.add_argument("--split-k", type=int, default=1,
-                   help=f"K split of the decode kernels, 1-{MAX_SPLIT_K} (GroupedGemmPolicy)")
+    add_policy_flags(p)
     p.add_argument("--tiny", action="store_true",
                    help="the cases at tiny dims (default: a few), XLA where there is no GPU")
     args = p.parse_args(argv)
-    policy = GroupedGemmPolicy(args.algorithm, args.prefill_algorithm, args.split_k)
+    policy = policy_of_flags(args)
     names = args.cases
     if args.tiny:
         names = ["-".join(["tiny", *n.split("-")[1:]]) for n in names] or list(TINY_CASES)

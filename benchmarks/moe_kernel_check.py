@@ -34,10 +34,7 @@ from dsv4_jax import quant
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, resolve_config
 from dsv4_jax.ffi.moe_sm90 import moe_config, moe_support
-from dsv4_jax.ffi.policy import GroupedGemmPolicy
-from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
-                                                  DEFAULT_PREFILL_ALGORITHM, MAX_SPLIT_K,
-                                                  PREFILL_ALGORITHMS)
+from policy_flags import add_policy_flags, policy_of_flags
 from timing import back_to_back_seconds, rates
 
 TOL = 1e-2                          # the GPU tests' tolerance (tests/test_moe.py)
@@ -127,12 +124,7 @@ def run_case(label, dims, tokens, kind, fmt, simulate, policy, dry):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM,
-                   choices=ALGORITHMS, help="decode algorithm (GroupedGemmPolicy)")
-    p.add_argument("--prefill-algorithm", default=DEFAULT_PREFILL_ALGORITHM,
-                   choices=PREFILL_ALGORITHMS, help="prefill algorithm (GroupedGemmPolicy)")
-    p.add_argument("--split-k", type=int, default=1,
-                   help=f"K split of the decode kernels, 1-{MAX_SPLIT_K} (GroupedGemmPolicy)")
+    add_policy_flags(p)
     p.add_argument("--prefill", action="store_true",
                    help="prefill tiles only: exactness, then small, Flash and Pro sizes")
     p.add_argument("--tiny", action="store_true",
@@ -142,7 +134,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    policy = GroupedGemmPolicy(args.algorithm, args.prefill_algorithm, args.split_k)
+    policy = policy_of_flags(args)
     dry = jax.devices()[0].platform != "gpu"
     if dry and not args.tiny:
         raise SystemExit("moe_kernel_check.py: no GPU; --tiny runs a dry run of the script")
