@@ -2,8 +2,8 @@
 
 ``generate`` runs prefill (prompts right-padded, each row with its own length, consumed in
 fixed chunks: see decoding.py) and then the whole decode loop on the device; every row stops
-at a stop token or the budget. ``stream`` yields tokens as they come from a Python loop over one jitted step. Both
-drive the same programs (decoding.py), donate the cache, bucket shapes (prompt length and
+at a stop token or the budget. ``stream`` yields tokens as they come from a Python loop over
+one jitted step. Both drive the same programs (decoding.py), donate the cache, bucket shapes (prompt length and
 budget) so new prompts of lengths in the same buckets reuse the compiled programs, and draw the
 same random numbers (``fold_in(key, step)``), so they produce the same tokens.
 ``speculative=True`` uses the MTP block (see speculative.py). ``chat=True`` takes
@@ -128,7 +128,8 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
     Prompts are prefilled ``prefill_chunk`` tokens per row and call (default: 4096 tokens
     per call on a GPU shared by the rows, ``decoding.default_prefill_chunk``; a multiple of
     the compression ratios), so a prompt of any length up to ``max_len`` runs in the memory of
-    one chunk; the tokens are those of a one-shot prefill. ``prefill_progress=True`` shows a progress bar for long prompts.
+    one chunk; the tokens are those of a one-shot prefill. ``prefill_progress=True`` shows a
+    progress bar for long prompts.
 
     ``options``, a ``GenerationOptions``, holds ``max_new_tokens``, ``sampler``,
     ``stop_tokens``, ``seed``, ``logprobs``, ``max_len``, ``speculative``, ``prefill_chunk``
