@@ -5,8 +5,8 @@ fixed chunks: see decoding.py) and then the whole decode loop on the device; eve
 at a stop token or the budget. ``stream`` yields tokens as they come from a Python loop over
 one jitted step. Both drive the same programs (decoding.py), donate the cache, bucket shapes
 (prompt chunks and budget) so new prompts of lengths in the same buckets reuse the compiled
-programs, and draw the same random numbers (``fold_in(key, step)``), so they produce the same tokens.
-``speculative=True`` uses the MTP block (see speculative.py). ``chat=True`` takes
+programs, and draw the same random numbers (``fold_in(key, step)``), so they produce the
+same tokens. ``speculative=True`` uses the MTP block (see speculative.py). ``chat=True`` takes
 conversations and returns parsed assistant messages (see chat_decoding.py). The options of a
 call are one ``GenerationOptions`` value (and a ``ChatOptions`` one in chat mode, see
 generation_options.py), built once by ``generate``/``stream``; the functions below take it.
