@@ -78,7 +78,8 @@ KERNELS = {spec.algorithm: spec for spec in (
                False, WEIGHT_FORMATS, WARP_TOKENS, True,
                ("no_load", "no_token_load", "no_scale_load", "no_dequant", "no_mma")),
     KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
-               True, ("fp4", "fp8"), WARP_TOKENS, True, ()),
+               True, ("fp4", "fp8"), WARP_TOKENS, True,
+               ("no_load", "no_token_load", "no_dequant", "no_mma")),
     KernelSpec("wgmma_fp8", "grouped_gemm_sm90_wgmma_fp8", "GroupedGemmWgmmaFp8Sm90", "any",
                True, ("fp4", "fp8"), FP8_WGMMA_MAX_BLOCK_N, False, ("no_dequant", "no_mma")),
 )}
@@ -260,6 +261,14 @@ def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int
     weights = WARP_COUNT * mats * WARP_ROWS * ROW_BYTES[weight_format]
     return (num_stages * (weights + FP8_TOKEN_STAGE_BYTES)
             + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
+
+
+def fp8_warp_lane_unit(t, chunk):
+    """"mma_fp8": the 16-byte unit of a weight row's K block that lane ``4g + t`` copies as
+    its ``chunk`` (FP4: one, FP8: two per row): ``4 chunk + t``, so that each copy
+    instruction of the warp reads whole 32-byte sectors of its rows (units 2t, 2t + 1 would
+    split every sector between two instructions). Works on ints and kernel integers alike."""
+    return 4 * chunk + t
 
 
 def fp8_warp_unit(row_kind: str, row, unit):

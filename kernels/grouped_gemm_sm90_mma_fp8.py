@@ -19,8 +19,8 @@ conversion:
 
 Dataflow per K block (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token
 rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sync"):
-weights by lane 4g + t (16-byte units t (FP4) or 2t, 2t + 1 (FP8) of rows g, g + 8 of each
-matrix) into row-major, swizzled rows of its warp's stage (``grouped_gemm_config.fp8_warp_unit``);
+weights by lane 4g + t (16-byte units t (FP4) or t, 4 + t (FP8: whole sectors per copy
+instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's stage (``grouped_gemm_config.fp8_warp_unit``);
 token codes by threads 0-63 (one 16-byte unit each) and token scales by threads 64-71 into
 the CTA's stage; weight scales every ``scale_group`` K blocks into the warp's buffers.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
@@ -28,7 +28,9 @@ that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
 of the 8 go to those columns directly, for weights and tokens alike.
 
-Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8; no ablations.
+Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8. Ablations
+(benchmarks only, outputs wrong by design): no_load, no_token_load, no_dequant (FP4 codes
+multiplied as they are), no_mma (conversion kept, the MMAs replaced by one integer op).
 Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
 cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
 """
@@ -41,7 +43,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, GroupedGemmSm90Config,
-                       fp8_warp_smem_bytes, fp8_warp_unit)
+                       fp8_warp_lane_unit, fp8_warp_smem_bytes, fp8_warp_unit)
 from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
                                mma_m16n8k32_e4m3)
 from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
@@ -54,9 +56,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
                  config: GroupedGemmSm90Config, scale_group: int):
-        if weight_format not in ("fp4", "fp8") or config.ablation:
-            raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights without ablations, got "
-                             f"{weight_format!r}, {config}")
+        if weight_format not in ("fp4", "fp8"):
+            raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
         super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
         # Shared memory: [token ring][weight ring: stage-major, then warp][scale buffers].
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
@@ -73,8 +74,27 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         of an MMA step read across the units their neighbours copied."""
         g, t = lane // 4, lane % 4
         q = mat * WARP_ROWS + g + 8 * half                       # the row in the warp's stage
-        unit = fp8_warp_unit(self.weight_format, q, t * self.chunks + chunk)
+        unit = fp8_warp_unit(self.weight_format, q, fp8_warp_lane_unit(t, chunk))
         return stage + q * self.row_bytes + unit * 16
+
+    @cute.jit
+    def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
+                      stage: Int32, k_in: Int32, lane: Int32):
+        """Lane 4g + t: its units (``fp8_warp_lane_unit``) of K block ``kb`` of weight rows g and
+        g + 8 of each matrix, 16 bytes at a time, to ``weight_slot``."""
+        g, t = lane // 4, lane % 4
+        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
+        copy_16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
+            num_bits_per_copy=128)
+        for mat in cutlass.range_constexpr(self.mats):
+            w_base = (mWa if mat == 0 else mWb).iterator.toint()
+            for half in cutlass.range_constexpr(2):             # rows g and g + 8
+                row = (w_row + g + 8 * half).to(Int64)
+                for c in cutlass.range_constexpr(self.chunks):
+                    src = w_base + row * w_stride + (
+                        kb * self.row_bytes + fp8_warp_lane_unit(t, c) * 16).to(Int64)
+                    copy_bytes(copy_16, 16, src, self.weight_slot(stage, mat, half, c, lane))
 
     @cute.jit
     def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
@@ -89,24 +109,32 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
             num_bits_per_copy=128)
         word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
-        self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in, lane)
+        # Ablations: weights or tokens copied only for the first stages (stale bytes are
+        # still multiplied).
+        first_stages = kb < self.num_stages
+        load = first_stages if const_expr(self.leaves_out("no_load")) else True
+        load_tokens = first_stages if const_expr(self.leaves_out("no_token_load")) else True
+        if load:
+            self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in,
+                               lane)
         tokens = self.token_stage(base, kb)
-        if tidx < WARP_TOKENS * BLOCK_K // 16:
-            # Token codes: thread tidx copies unit tidx % 8 of tile row tidx // 8.
-            r, unit = tidx // 8, tidx % 8
-            x_row = row0 + r
-            if r >= rows:
-                x_row = row0
-            src = mX.iterator.toint() + x_row.to(Int64) * k_in + kb * BLOCK_K + 16 * unit
-            copy_bytes(copy_16, 16, src, tokens + r * BLOCK_K
-                       + fp8_warp_unit("tokens", r, unit) * 16)
-        elif tidx < WARP_TOKENS * BLOCK_K // 16 + WARP_TOKENS:
-            r = tidx - WARP_TOKENS * BLOCK_K // 16
-            x_row = row0 + r
-            if r >= rows:
-                x_row = row0
-            src = mXs.iterator.toint() + (x_row.to(Int64) * num_k + kb) * 4
-            copy_bytes(word_4, 4, src, tokens + WARP_TOKENS * BLOCK_K + r * 4)
+        if load_tokens:
+            if tidx < WARP_TOKENS * BLOCK_K // 16:
+                # Token codes: thread tidx copies unit tidx % 8 of tile row tidx // 8.
+                r, unit = tidx // 8, tidx % 8
+                x_row = row0 + r
+                if r >= rows:
+                    x_row = row0
+                src = mX.iterator.toint() + x_row.to(Int64) * k_in + kb * BLOCK_K + 16 * unit
+                copy_bytes(copy_16, 16, src, tokens + r * BLOCK_K
+                           + fp8_warp_unit("tokens", r, unit) * 16)
+            elif tidx < WARP_TOKENS * BLOCK_K // 16 + WARP_TOKENS:
+                r = tidx - WARP_TOKENS * BLOCK_K // 16
+                x_row = row0 + r
+                if r >= rows:
+                    x_row = row0
+                src = mXs.iterator.toint() + (x_row.to(Int64) * num_k + kb) * 4
+                copy_bytes(word_4, 4, src, tokens + WARP_TOKENS * BLOCK_K + r * 4)
         if kb % self.scale_group == 0:
             self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
                               self.scale_buffer(base, kb, warp), lane)
@@ -146,13 +174,20 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                     if const_expr(self.weight_format == "fp4"):
                         word = _load_word(stage + q * self.row_bytes
                                           + fp8_warp_unit("fp4", q, i) * 16 + 4 * t)
-                        rows_ab.append(fp4x8_to_e4m3x8(word))
+                        if const_expr(self.leaves_out("no_dequant")):
+                            rows_ab.append((word, word ^ 0x5A5A5A5A))
+                        else:
+                            rows_ab.append(fp4x8_to_e4m3x8(word))
                     else:
                         rows_ab.append(_load_words2(
                             stage + q * self.row_bytes
                             + fp8_warp_unit("fp8", q, 2 * i + t // 2) * 16 + 8 * (t % 2)))
                 a = (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
-                if const_expr(self.weight_format == "fp4"):
+                if const_expr(self.leaves_out("no_mma")):
+                    # Keeps the operands live at one integer op + one convert per value.
+                    for j in cutlass.range_constexpr(4):
+                        block[4 * mat + j] = block[4 * mat + j] + (a[j] ^ b[j % 2]).to(Float32)
+                elif const_expr(self.weight_format == "fp4"):
                     d = mma_m16n8k32_e4m3(a, b, (Float32(0.0),) * 4)
                     # Scale block i of rows g (d0, d1) and g + 8 (d2, d3).
                     sw = [e8m0_f32((scale_words[mat][half] >> (8 * i)) & 0xFF)

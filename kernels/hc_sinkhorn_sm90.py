@@ -11,9 +11,9 @@ Computes ``hc_split_sinkhorn`` (``ffi/hc_sinkhorn.py``) for every token, one thr
 Why a kernel: the computation is a few hundred flops per token, but as XLA ops it is a chain
 of small reductions and divisions, dozens of launches per sub-block (docs/performance.md).
 
-Dataflow: thread t loads its (2 + n) n mixes (f32) and the shared scale and base, keeps the
-n x n matrix in registers through the iterations (unrolled: n and iters are compile-time),
-and writes pre [T, n], post [T, n] and comb [T, n n]. Sums run in index order; each row or
+Dataflow: thread t loads its (2 + n) n mixes (f32) and the shared scale and base -- all loads
+first, then all stores --, keeps the n x n matrix in registers through the iterations
+(unrolled: n and iters are compile-time), and writes pre [T, n], post [T, n] and comb [T, n n]. Sums run in index order; each row or
 column is scaled by one IEEE reciprocal of its sum (as XLA computes a division by a
 broadcast sum: one division per row instead of n, which bounds the thread's serial chain);
 sigmoid and exp use ``exp2`` (the reference's numbers to a few ulps).
@@ -67,11 +67,15 @@ class HcSinkhornSm90:
         n = self.n
         eps = Float32(self.eps)
         if t < mMix.shape[0]:
+            # Every load before any store: the outputs may alias the inputs as far as the
+            # compiler knows, so a store between loads would serialise their round trips.
             s_pre, s_post, s_comb = mScale[0], mScale[1], mScale[2]
-            for i in cutlass.range_constexpr(n):
-                mPre[t, i] = _sigmoid(mMix[t, i] * s_pre + mBase[i]) + eps
-                mPost[t, i] = Float32(2.0) * _sigmoid(mMix[t, n + i] * s_post + mBase[n + i])
-            m = [[mMix[t, 2 * n + i * n + j] * s_comb + mBase[2 * n + i * n + j]
+            mix = [mMix[t, i] for i in range((2 + n) * n)]
+            base = [mBase[i] for i in range((2 + n) * n)]
+            pre = [_sigmoid(mix[i] * s_pre + base[i]) + eps for i in range(n)]
+            post = [Float32(2.0) * _sigmoid(mix[n + i] * s_post + base[n + i])
+                    for i in range(n)]
+            m = [[mix[2 * n + i * n + j] * s_comb + base[2 * n + i * n + j]
                   for j in range(n)] for i in range(n)]
             for i in cutlass.range_constexpr(n):            # row softmax + eps
                 top = m[i][0]
@@ -96,6 +100,8 @@ class HcSinkhornSm90:
                         m[i][j] = m[i][j] * inv
                 self.normalise_columns(m, eps)
             for i in cutlass.range_constexpr(n):
+                mPre[t, i] = pre[i]
+                mPost[t, i] = post[i]
                 for j in cutlass.range_constexpr(n):
                     mComb[t, i * n + j] = m[i][j]
 

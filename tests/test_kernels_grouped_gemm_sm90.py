@@ -104,7 +104,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
                 dict(algorithm="wgmma", ablation="no_scale_load"),
                 dict(algorithm="wgmma", ablation="no_mma+no_mma"),
                 dict(algorithm="wgmma", ablation="no_mma+"),
-                dict(algorithm="mma_fp8", block_n=8, ablation="no_load"),
+                dict(algorithm="mma_fp8", block_n=8, ablation="no_scale_load"),
                 dict(algorithm="wgmma_fp8", block_n=64, ablation="no_load")):
         with pytest.raises(ValueError, match="GroupedGemmSm90Config"):
             support.GroupedGemmSm90Config(**bad)
@@ -317,6 +317,20 @@ def test_mma_fp8_stage_swizzle_is_a_conflict_free_permutation(kind):
                     assert len({a // 8 % 16 for a in addr}) == 16
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_mma_fp8_weight_copies_read_whole_sectors(fmt):
+    """Each copy instruction of a warp (one chunk of one row half) reads whole 32-byte
+    sectors of its 8 rows, and a row's chunks together cover its K block once."""
+    row_bytes = support.ROW_BYTES[fmt]
+    chunks = row_bytes // 4 // 16
+    covered = set()
+    for c in range(chunks):
+        units = {support.fp8_warp_lane_unit(t, c) for t in range(4)}
+        assert all(u ^ 1 in units for u in units), (fmt, c, units)   # sector = 2 units
+        covered |= units
+    assert covered == set(range(row_bytes // 16))
+
+
 def _mma_m16n8k32(a, b):
     """PTX ``mma.m16n8k32`` e4m3 fragments (lists per lane of byte values) -> D 16 x 8."""
     A, B = np.zeros((16, 32)), np.zeros((32, 8))
@@ -366,8 +380,9 @@ def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
             for half in range(2):
                 q = g + 8 * half
                 for c in range(chunks):
-                    start = support.warp_lane_weight_byte(t, kb, fmt) + 16 * c
-                    unit = support.fp8_warp_unit(fmt, q, t * chunks + c)
+                    copied = support.fp8_warp_lane_unit(t, c)
+                    start = kb * row_bytes + 16 * copied
+                    unit = support.fp8_warp_unit(fmt, q, copied)
                     stage[q, 16 * unit:16 * unit + 16] = raw[q, start:start + 16]
         tokens = np.zeros((8, 128), np.uint8)
         for tidx in range(64):
@@ -521,7 +536,7 @@ def test_mma_fp8_falls_back_where_it_does_not_apply():
                                   x_dtype="bfloat16", num_tiles=8)
     assert not ok and "mma_fp8" in why
     with pytest.raises(ValueError, match="ablation"):
-        support.GroupedGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_load")
+        support.GroupedGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_scale_load")
 
 
 def test_grouped_gemm_takes_fp8_activations_exactly_for_mma_fp8():
@@ -561,6 +576,22 @@ def test_mma_sync_ablations_compile_and_leave_out_their_stage(ablation):
     mma = len(re.findall(r"mma\.sync\.aligned", ptx))
     assert mma == (0 if ablation == "no_mma" else 16)
     assert ptx.count("cp.async.wait_group") == 2
+
+
+@pytest.mark.parametrize("ablation", support.KERNELS["mma_fp8"].ablations)
+def test_mma_fp8_ablations_compile_and_leave_out_their_stage(ablation):
+    """"mma_fp8"'s benchmark-only variants (decode_gemms.py) build for sm_90a: "no_mma" issues
+    no MMA, "no_dequant" converts no FP4 code, the load ablations keep the first copies."""
+    config = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8",
+                                           ablation=ablation)
+    shipped = dataclasses.replace(config, ablation="")
+    ptx = _compile("fp4", True, config, k=1024).artifacts.PTX
+    ref = _compile("fp4", True, shipped, k=1024).artifacts.PTX
+    mma = lambda text: len(re.findall(r"mma\.sync\.aligned", text))
+    assert mma(ref) == 8 and mma(ptx) == (0 if ablation == "no_mma" else 8)   # 4 steps x 2
+    if ablation == "no_dequant":               # the conversion's masks are gone
+        assert ptx.count("and.b32") < ref.count("and.b32")
+    assert "cp.async" in ptx and ptx.count("cp.async.wait_group") == 2
 
 
 @pytest.mark.parametrize("ablation", support.KERNELS["wgmma"].ablations

@@ -1,0 +1,234 @@
+"""The decode GEMMs of one Flash layer, each kernel launch alone: time against the HBM floor
+of its weight bytes, for the configuration the model picks and for variants of it.
+
+    source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
+        [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations] [--budget 400] [--out f.md]
+    python3 benchmarks/decode_gemms.py --tiny          # dry run (CPU): variants, no launch
+
+GEMMs (``gemm_shapes``, from ``Config.flash(quantized=True)``): the attention's wq_a, wkv,
+wq_b, the indexer's wq_b, the grouped wo_a (BF16 activations: "mma_sync"), wo_b, the shared
+expert's gated w1/w3 and w2 (FP8 weights, 128 x 128 E8M0 blocks), the routed experts' gated
+w1/w3 and w2 (FP4, 1 x 32 E8M0, T k rows over 256 experts, balanced routing). Every launch
+is set up as the op sets it up (``cases.grouped_launch``: schedule and FP8 activation
+quantisation outside the timed call), so a time is the kernel (and, with a K split, the XLA
+sum of its partials).
+
+Timing: one jitted function runs the launch on R distinct weight sets (dense: R copies of the
+weight, R x bytes >= 256 MB so that nothing stays in the L2; routed: one expert stack and R
+routings), the median of ``timing.median_seconds`` over 20 executions divided by R. Floor =
+weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 GiB device
+copy is timed first as the achievable bandwidth.
+
+Variants: "model" (``resolve_config`` under the default ``GroupedGemmPolicy``, as the model
+calls it); ``--sweep``: pipeline stages x K split (those that fit shared memory and whole
+scale groups); ``--ablations``: the model's config with each of its kernel's benchmark-only
+ablations (outputs wrong by design: where the time goes). ``--budget``: seconds after which
+no further variant is started (rows already timed are kept).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import time
+
+import dsv4_jax  # noqa: F401  (first: XLA flags)
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.config import Config
+from dsv4_jax.ffi import cases
+from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config
+from dsv4_jax.ffi.policy import GroupedGemmPolicy
+from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, KERNELS, MAX_SPLIT_K, SMEM_BYTES,
+                                                  warp_scale_group)
+from timing import PEAK_TBPS, back_to_back_seconds, median_seconds
+
+SET_BYTES = 256 * 2 ** 20        # dense weights: copies until R x bytes reaches this
+MAX_SETS = 64
+STAGES = (3, 4, 6, 8)
+SPLITS = (1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """One decode GEMM: ``groups`` weights [N, K] in ``fmt``; ``rows_per_token`` rows per
+    token (wo_a: one per output group; routed: k); ``routed``: rows pick groups by routing;
+    ``simulate``: FP8 activation simulation (every quantised linear but wo_a)."""
+    name: str
+    groups: int
+    n: int
+    k: int
+    fmt: str
+    gated: bool = False
+    rows_per_token: int = 1
+    routed: bool = False
+    simulate: bool = True
+
+
+def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
+    d, inter = cfg.dim, cfg.moe_inter_dim
+    shapes = [
+        GemmShape("wq_a", 1, cfg.q_lora_rank, d, "fp8"),
+        GemmShape("wkv", 1, cfg.head_dim, d, "fp8"),
+        GemmShape("wq_b", 1, cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, "fp8"),
+        GemmShape("index_wq_b", 1, cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank,
+                  "fp8"),
+        GemmShape("wo_a", cfg.o_groups, cfg.o_lora_rank,
+                  cfg.n_heads * cfg.head_dim // cfg.o_groups, "fp8",
+                  rows_per_token=cfg.o_groups, simulate=False),
+        GemmShape("wo_b", 1, d, cfg.o_groups * cfg.o_lora_rank, "fp8"),
+        GemmShape("shared_w13", 1, inter, d, "fp8", gated=True),
+        GemmShape("shared_w2", 1, d, inter, "fp8"),
+        GemmShape("routed_w13", cfg.n_routed_experts, inter, d, "fp4", gated=True,
+                  rows_per_token=cfg.n_activated_experts, routed=True),
+        GemmShape("routed_w2", cfg.n_routed_experts, d, inter, "fp4",
+                  rows_per_token=cfg.n_activated_experts, routed=True),
+    ]
+    return {s.name: s for s in shapes}
+
+
+def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool):
+    """``[(label, config)]``: the model's config first, then the sweep and the ablations."""
+    model = resolve_config(GroupedGemmPolicy(), rows, shape.groups, shape.fmt, (shape.k,),
+                           shape.simulate, (shape.n,))
+    out = [("model", model)]
+    if model.spec.tiles != "decode":
+        return out
+    if sweep:
+        most = (shape.k // BLOCK_K) // warp_scale_group(shape.fmt, shape.k // BLOCK_K)
+        for stages in STAGES:
+            for split in SPLITS:
+                if split > min(most, MAX_SPLIT_K):
+                    continue
+                config = dataclasses.replace(model, num_stages=stages, split_k=split)
+                if config == model or config.smem_bytes(shape.fmt, shape.gated) > SMEM_BYTES:
+                    continue
+                out.append((f"stages {stages}, split {split}", config))
+    if ablations:
+        out += [(a, dataclasses.replace(model, ablation=a)) for a in KERNELS[
+            model.algorithm].ablations if a != "no_dequant" or shape.fmt == "fp4"]
+    return out
+
+
+def weight_sets(shape: GemmShape, key, count: int):
+    """``count`` independent ``(w, w_up)`` pairs of ``(weight, scale)``."""
+    sets = []
+    for i in range(count):
+        k = jax.random.fold_in(key, i)
+        keys = jax.random.split(k, 4)
+        w = cases.random_weight(shape.fmt, keys[0], keys[1], shape.groups, shape.n, shape.k)
+        up = (cases.random_weight(shape.fmt, keys[2], keys[3], shape.groups, shape.n, shape.k)
+              if shape.gated else None)
+        sets.append((w, up))
+    return jax.block_until_ready(sets)
+
+
+def inputs(shape: GemmShape, tokens: int, key, sets: int, cfg: Config):
+    """Per set ``(x [rows, K] bf16, group ids [rows], row weights [rows])``."""
+    out = []
+    for i in range(sets):
+        kx, kr = jax.random.split(jax.random.fold_in(key, 1000 + i))
+        x = cases.token_inputs(kx, tokens, shape.k)
+        if shape.routed:
+            idx, w = cases.routing("balanced", tokens, shape.groups, shape.rows_per_token, kr)
+            out.append(cases.assignment_rows(x, idx, w))
+        else:
+            rows = tokens * shape.rows_per_token
+            xr = cases.token_inputs(kx, rows, shape.k)
+            ids = jnp.repeat(jnp.arange(shape.groups, dtype=jnp.int32), tokens)
+            out.append((xr, ids, jnp.ones((rows,), jnp.float32)))
+    return out
+
+
+def time_variant(shape, config, weights, rows_sets, dry: bool) -> float | None:
+    """Seconds per launch over the sets (None in a dry run)."""
+    calls = []
+    for (w, up), (x, ids, rw) in zip(weights, rows_sets):
+        fn, args = cases.grouped_launch(x, ids, w, w_up=up, row_weights=rw, config=config,
+                                        simulate=shape.simulate)
+        calls.append((fn, args))
+    if dry:
+        return None
+    fns = [fn for fn, _ in calls]
+    run = jax.jit(lambda all_args: [f(*a) for f, a in zip(fns, all_args)])
+    all_args = [a for _, a in calls]
+    return median_seconds(run, all_args, runs=20) / len(calls)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default="1,8", help="comma-separated tokens per step")
+    p.add_argument("--gemms", default="all", help="comma-separated names or 'all'")
+    p.add_argument("--sweep", action="store_true", help="stages x K split variants")
+    p.add_argument("--ablations", action="store_true", help="the kernel's ablations")
+    p.add_argument("--budget", type=float, default=float("inf"),
+                   help="seconds after which no new variant starts")
+    p.add_argument("--out", default=None, help="markdown table path")
+    p.add_argument("--tiny", action="store_true", help="dry run on CPU (nothing launched)")
+    args = p.parse_args(argv)
+    cfg = Config.tiny(quantized=True) if args.tiny else Config.flash(quantized=True)
+    shapes = gemm_shapes(cfg)
+    names = list(shapes) if args.gemms == "all" else args.gemms.split(",")
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise SystemExit(f"decode_gemms.py: --gemms {unknown} not in {list(shapes)}")
+    dry = jax.devices()[0].platform != "gpu"
+    if dry and not args.tiny:
+        raise SystemExit("decode_gemms.py: no GPU; --tiny runs a dry run of the script")
+    start = time.perf_counter()
+    lines = [f"decode_gemms, {datetime.date.today()}, {jax.devices()[0].device_kind}, "
+             f"`python decode_gemms.py {' '.join(argv or [])}`", ""]
+    if not dry:
+        x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
+        t = back_to_back_seconds(jax.jit(lambda x: x * 2.0), x, per_group=10)
+        lines += [f"1 GiB device copy (read + write): {2 * x.nbytes / t / 1e9:.0f} GB/s "
+                  f"({2 * x.nbytes / t / 1e12 / PEAK_TBPS:.0%} of {PEAK_TBPS} TB/s)", ""]
+        del x
+        print(lines[-2], flush=True)
+    lines += ["| gemm | T | variant | us | floor us | of HBM | vs model |",
+              "|---|---|---|---|---|---|---|"]
+    key = jax.random.key(0)
+    for name in names:
+        shape = shapes[name]
+        one = cases.bytes_per_group(*[m for m in weight_sets(shape, key, 1)[0] if m])
+        count = 8 if shape.routed else min(MAX_SETS, max(2, -(-SET_BYTES // int(
+            one * shape.groups))))
+        weights = (weight_sets(shape, key, 1) * count if shape.routed
+                   else weight_sets(shape, key, count))
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            rows_sets = inputs(shape, tokens, key, count, cfg)
+            groups = (sum(cases.touched_groups(ids) for _, ids, _ in rows_sets) / count
+                      if shape.routed else shape.groups)
+            floor = groups * one / (PEAK_TBPS * 1e12)
+            model_t = None
+            for label, config in variants(shape, tokens * shape.rows_per_token, args.sweep,
+                                          args.ablations):
+                if time.perf_counter() - start > args.budget:
+                    print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
+                          "and later variants not run", flush=True)
+                    break
+                try:
+                    t = time_variant(shape, config, weights, rows_sets, dry)
+                except Exception as e:          # a variant that fails is reported, not fatal
+                    print(f"{name} T={tokens} {label}: FAILED {type(e).__name__}: "
+                          f"{str(e)[:300]}", flush=True)
+                    continue
+                if t is None:
+                    print(f"{name} T={tokens} {label}: {config} built, not launched", flush=True)
+                    continue
+                model_t = t if label == "model" else model_t
+                row = (f"| {name} | {tokens} | {label} ({config.algorithm}, "
+                       f"{config.num_stages} st, split {config.split_k}) | {t * 1e6:.1f} | "
+                       f"{floor * 1e6:.1f} | {floor / t:.0%} | "
+                       f"{t / model_t:.2f} |" if model_t else "")
+                lines.append(row)
+                print(row, flush=True)
+        del weights
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
