@@ -4,6 +4,7 @@ of its weight bytes, for the configuration the model picks and for variants of i
     source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
         [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations] [--budget 400] [--out f.md]
     python3 benchmarks/decode_gemms.py --tiny          # dry run (CPU): variants, no launch
+    bash benchmarks/run_on_device.sh gemm_ncu wq_b 1   # Nsight Compute of one launch (--ncu)
 
 GEMMs (``gemm_shapes``, from ``Config.flash(quantized=True)``): the attention's wq_a, wkv,
 wq_b, the indexer's wq_b, the grouped wo_a (BF16 activations: "mma_sync"), wo_b, the shared
@@ -15,7 +16,10 @@ sum of its partials).
 
 Timing: one jitted function runs the launch on R distinct weight sets (dense: R copies of the
 weight, R x bytes >= 256 MB so that nothing stays in the L2; routed: one expert stack and R
-routings), the median of ``timing.median_seconds`` over 20 executions divided by R. Floor =
+routings). Device time: the GPU ops of one traced execution (``step_figures.trace_device_ops``:
+the kernel, and with a K split the XLA sum of its partials) divided by R -- what a launch costs
+inside the model's CUDA graphs. Wall time: ``timing.median_seconds`` over 20 executions divided
+by R; outside graphs each custom call also costs host time, which the wall column shows. Floor =
 weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 GiB device
 copy is timed first as the achievable bandwidth.
 
@@ -42,6 +46,7 @@ from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, KERNELS, MAX_SPLIT_K, SMEM_BYTES,
                                                   warp_scale_group)
+from step_figures import trace_device_ops
 from timing import PEAK_TBPS, back_to_back_seconds, median_seconds
 
 SET_BYTES = 256 * 2 ** 20        # dense weights: copies until R x bytes reaches this
@@ -141,8 +146,9 @@ def inputs(shape: GemmShape, tokens: int, key, sets: int, cfg: Config):
     return out
 
 
-def time_variant(shape, config, weights, rows_sets, dry: bool) -> float | None:
-    """Seconds per launch over the sets (None in a dry run)."""
+def time_variant(shape, config, weights, rows_sets, dry: bool, ncu: bool = False):
+    """``(device seconds, wall seconds)`` per launch over the sets (None in a dry run; with
+    ``ncu``, three untimed executions for a profiler outside, and NaNs)."""
     calls = []
     for (w, up), (x, ids, rw) in zip(weights, rows_sets):
         fn, args = cases.grouped_launch(x, ids, w, w_up=up, row_weights=rw, config=config,
@@ -153,7 +159,13 @@ def time_variant(shape, config, weights, rows_sets, dry: bool) -> float | None:
     fns = [fn for fn, _ in calls]
     run = jax.jit(lambda all_args: [f(*a) for f, a in zip(fns, all_args)])
     all_args = [a for _, a in calls]
-    return median_seconds(run, all_args, runs=20) / len(calls)
+    if ncu:
+        for _ in range(3):
+            jax.block_until_ready(run(all_args))
+        return float("nan"), float("nan")
+    wall = median_seconds(run, all_args, runs=20) / len(calls)
+    totals, _ = trace_device_ops(lambda: jax.block_until_ready(run(all_args)))
+    return sum(totals.values()) * 1e-6 / len(calls), wall
 
 
 def main(argv=None):
@@ -166,6 +178,9 @@ def main(argv=None):
                    help="seconds after which no new variant starts")
     p.add_argument("--out", default=None, help="markdown table path")
     p.add_argument("--tiny", action="store_true", help="dry run on CPU (nothing launched)")
+    p.add_argument("--ncu", action="store_true",
+                   help="the model's config only, three untimed executions (for Nsight "
+                        "Compute: run_on_device.sh gemm_ncu)")
     args = p.parse_args(argv)
     cfg = Config.tiny(quantized=True) if args.tiny else Config.flash(quantized=True)
     shapes = gemm_shapes(cfg)
@@ -179,15 +194,15 @@ def main(argv=None):
     start = time.perf_counter()
     lines = [f"decode_gemms, {datetime.date.today()}, {jax.devices()[0].device_kind}, "
              f"`python decode_gemms.py {' '.join(argv or [])}`", ""]
-    if not dry:
+    if not dry and not args.ncu:
         x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
         t = back_to_back_seconds(jax.jit(lambda x: x * 2.0), x, per_group=10)
         lines += [f"1 GiB device copy (read + write): {2 * x.nbytes / t / 1e9:.0f} GB/s "
                   f"({2 * x.nbytes / t / 1e12 / PEAK_TBPS:.0%} of {PEAK_TBPS} TB/s)", ""]
         del x
         print(lines[-2], flush=True)
-    lines += ["| gemm | T | variant | us | floor us | of HBM | vs model |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["| gemm | T | variant | device us | floor us | of HBM | vs model | wall us |",
+              "|---|---|---|---|---|---|---|---|"]
     key = jax.random.key(0)
     for name in names:
         shape = shapes[name]
@@ -203,25 +218,26 @@ def main(argv=None):
             floor = groups * one / (PEAK_TBPS * 1e12)
             model_t = None
             for label, config in variants(shape, tokens * shape.rows_per_token, args.sweep,
-                                          args.ablations):
+                                          args.ablations)[:1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
                           "and later variants not run", flush=True)
                     break
                 try:
-                    t = time_variant(shape, config, weights, rows_sets, dry)
+                    times = time_variant(shape, config, weights, rows_sets, dry, args.ncu)
                 except Exception as e:          # a variant that fails is reported, not fatal
                     print(f"{name} T={tokens} {label}: FAILED {type(e).__name__}: "
                           f"{str(e)[:300]}", flush=True)
                     continue
-                if t is None:
+                if times is None:
                     print(f"{name} T={tokens} {label}: {config} built, not launched", flush=True)
                     continue
+                t, wall = times
                 model_t = t if label == "model" else model_t
                 row = (f"| {name} | {tokens} | {label} ({config.algorithm}, "
                        f"{config.num_stages} st, split {config.split_k}) | {t * 1e6:.1f} | "
-                       f"{floor * 1e6:.1f} | {floor / t:.0%} | "
-                       f"{t / model_t:.2f} |" if model_t else "")
+                       f"{floor * 1e6:.1f} | {floor / t:.0%} | {t / model_t:.2f} | "
+                       f"{wall * 1e6:.1f} |")
                 lines.append(row)
                 print(row, flush=True)
         del weights

@@ -18,6 +18,9 @@
 #        e.g. --shapes flash --tokens 512,4096,16384 --routings balanced --no-xla)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh model
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh gemm_ncu wq_b 1
+#       (Nsight Compute of one decode GEMM launch of decode_gemms.py, the model's config)
+#       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 what=${1:-all}; shift || true
@@ -136,6 +139,17 @@ if [[ $what == moe_detail ]]; then
     python3 benchmarks/profile_moe.py "$tokens" --algorithm "$alg" --launch-only \
     >"$OUT/ncu_run_moe.log" 2>&1 || tail -20 "$OUT/ncu_run_moe.log"
   ncu_report "moe_$tokens"
+fi
+if [[ $what == gemm_ncu ]]; then
+  gemm=${1:-wq_b}; tokens=${2:-1}
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-200} "$ncu" \
+    --clock-control none --replay-mode kernel \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters \
+    --section LaunchStats -k regex:GroupedGemm --launch-skip 4 --launch-count 1 \
+    -f -o "$OUT/gemm_${gemm}_$tokens" python3 benchmarks/decode_gemms.py --gemms "$gemm" \
+    --tokens "$tokens" --ncu >"$OUT/ncu_run_gemm.log" 2>&1 || tail -20 "$OUT/ncu_run_gemm.log"
+  ncu_report "gemm_${gemm}_$tokens"
 fi
 if [[ $what == profile ]]; then
   tag=${1}_${2}
