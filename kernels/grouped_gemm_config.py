@@ -263,12 +263,20 @@ def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int
             + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
 
 
-def fp8_warp_lane_unit(t, chunk):
-    """"mma_fp8": the 16-byte unit of a weight row's K block that lane ``4g + t`` copies as
-    its ``chunk`` (FP4: one, FP8: two per row): ``4 chunk + t``, so that each copy
-    instruction of the warp reads whole 32-byte sectors of its rows (units 2t, 2t + 1 would
-    split every sector between two instructions). Works on ints and kernel integers alike."""
+def warp_copy_unit(t, chunk):
+    """The warp kernels' weight copies: the 16-byte unit of a weight row's K block that lane
+    ``4g + t`` copies as its ``chunk`` (``ROW_BYTES / 64`` chunks per row: FP4 one, FP8 two,
+    BF16 four): ``4 chunk + t``, so that each copy instruction of the warp reads whole 32-byte
+    sectors of its rows (a lane copying the units it converts, t chunks + chunk, would split
+    every sector between two instructions). Works on ints and kernel integers alike."""
     return 4 * chunk + t
+
+
+def warp_copy_reader(unit, chunks: int):
+    """"mma_sync": ``(t, chunk)`` of the lane ``4g + t`` (same g) that converts weight ``unit``
+    of a row's K block -- the slot a copy of that unit goes to (``warp_lane_weight_byte``:
+    lane t converts units t chunks .. t chunks + chunks - 1)."""
+    return unit // chunks, unit % chunks
 
 
 def fp8_warp_unit(row_kind: str, row, unit):
@@ -332,22 +340,33 @@ def _wgmma_block(num_rows: int, num_groups: int) -> int:
             else PREFILL_CONFIG).block_n
 
 
+# The warp kernels' K split: a launch with fewer than SPLIT_BELOW_CTAS_PER_SM CTAs per SM splits
+# until about RESIDENT_CTAS_PER_SM CTAs per SM run at once (what their shared memory allows):
+# the decode sweep (docs/performance.md, "Decode GEMMs") measured the most CTAs fastest for
+# long K (wo_b, the shared expert), and no split fastest at 3 CTAs per SM (routed w2, T = 1).
+SPLIT_BELOW_CTAS_PER_SM = 2
+RESIDENT_CTAS_PER_SM = 4
+
+
 def auto_split_k(num_rows: int, num_groups: int, weight_format: str, k_ins: tuple[int, ...],
                  n_outs: tuple[int, ...]) -> int:
-    """The warp kernels' K split that gives at least one CTA per SM: a decode launch of a small
-    matrix (few 64-row output blocks, one or two tiles of rows) otherwise streams its
-    weights through a few SMs. Splits start scale groups (``split_k_blocks``), so at most
-    ``K blocks / scale group`` of them."""
+    """The warp kernels' K split for a decode launch of a small matrix (few 64-row output
+    blocks, one or two tiles of rows), which otherwise streams its weights through a few
+    CTAs per SM: ``RESIDENT_CTAS_PER_SM`` CTAs per SM when it has fewer than
+    ``SPLIT_BELOW_CTAS_PER_SM``. Splits start scale groups (``split_k_blocks``): at most
+    ``K blocks / scale group`` of them, and no more than get work."""
     if not n_outs or not k_ins:
         return 1
     tiles = (min(num_groups, num_rows) if num_groups > 1
              else -(-num_rows // WARP_TOKENS))
     ctas = min(n_outs) // BLOCK_M * max(tiles, 1)
-    if ctas >= NUM_SMS:
+    if ctas >= SPLIT_BELOW_CTAS_PER_SM * NUM_SMS:
         return 1
     k_blocks = min(k_ins) // BLOCK_K
-    most = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
-    return max(1, min(-(-NUM_SMS // max(ctas, 1)), MAX_SPLIT_K, most))
+    groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
+    split = max(1, min(RESIDENT_CTAS_PER_SM * NUM_SMS // max(ctas, 1), MAX_SPLIT_K, groups))
+    per = -(-groups // split)                  # scale groups per split
+    return -(-groups // per)
 
 
 def choose_config(num_rows: int, num_groups: int, weight_format: str, *,

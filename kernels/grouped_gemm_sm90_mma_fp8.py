@@ -43,7 +43,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, GroupedGemmSm90Config,
-                       fp8_warp_lane_unit, fp8_warp_smem_bytes, fp8_warp_unit)
+                       warp_copy_unit, fp8_warp_smem_bytes, fp8_warp_unit)
 from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
                                mma_m16n8k32_e4m3)
 from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
@@ -74,13 +74,13 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         of an MMA step read across the units their neighbours copied."""
         g, t = lane // 4, lane % 4
         q = mat * WARP_ROWS + g + 8 * half                       # the row in the warp's stage
-        unit = fp8_warp_unit(self.weight_format, q, fp8_warp_lane_unit(t, chunk))
+        unit = fp8_warp_unit(self.weight_format, q, warp_copy_unit(t, chunk))
         return stage + q * self.row_bytes + unit * 16
 
     @cute.jit
     def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
                       stage: Int32, k_in: Int32, lane: Int32):
-        """Lane 4g + t: its units (``fp8_warp_lane_unit``) of K block ``kb`` of weight rows g and
+        """Lane 4g + t: its units (``warp_copy_unit``) of K block ``kb`` of weight rows g and
         g + 8 of each matrix, 16 bytes at a time, to ``weight_slot``."""
         g, t = lane // 4, lane % 4
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
@@ -93,7 +93,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                 row = (w_row + g + 8 * half).to(Int64)
                 for c in cutlass.range_constexpr(self.chunks):
                     src = w_base + row * w_stride + (
-                        kb * self.row_bytes + fp8_warp_lane_unit(t, c) * 16).to(Int64)
+                        kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
                     copy_bytes(copy_16, 16, src, self.weight_slot(stage, mat, half, c, lane))
 
     @cute.jit

@@ -18,8 +18,11 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
 
 1. Copies, all 16-byte and sector-complete where the format allows (per-lane 4-byte scale
    copies and per-warp token copies cost far more than their bytes; docs/performance.md):
-   - weights: lane ``4g + t`` copies, of weight rows g and g + 8 of its warp (each matrix),
-     the bytes of columns [32t, 32t + 32) -- one FP4 scale block -- into its own slots;
+   - weights: lane ``4g + t`` converts, of weight rows g and g + 8 of its warp (each
+     matrix), the bytes of columns [32t, 32t + 32) -- one FP4 scale block -- from its own
+     slots; the copies are dealt so that each copy instruction reads whole 32-byte sectors
+     (``warp_copy_unit``: FP8 and BF16 rows' units go to a neighbour's slots,
+     ``warp_copy_reader``; the CTA barrier of the K block orders them);
    - tokens: the CTA's 128 threads copy the tile's 8 token rows x 128 columns once, one
      16-byte unit each, into a stage shared by the warps, XOR-swizzled
      (``grouped_gemm_config.warp_token_unit``; rows past the tile's count read the tile's first row,
@@ -57,8 +60,7 @@ from cutlass.cute.nvgpu import cpasync
 from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
                        GroupedGemmSm90Config, split_k_blocks, warp_lane_columns,
-                       warp_lane_weight_byte,
-                       warp_scale_buffers, warp_smem_bytes,
+                       warp_copy_reader, warp_copy_unit, warp_scale_buffers, warp_smem_bytes,
                        warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
@@ -215,8 +217,9 @@ class GroupedGemmMmaSyncSm90:
     @cute.jit
     def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
                       stage: Int32, k_in: Int32, lane: Int32):
-        """Lane 4g + t: the bytes of columns [32t, 32t + 32) of K block ``kb`` of weight
-        rows g and g + 8 of each matrix, 16 at a time, to ``weight_slot``."""
+        """Lane 4g + t: units ``warp_copy_unit(t, c)`` of K block ``kb`` of weight rows g and
+        g + 8 of each matrix (whole sectors per copy instruction), 16 bytes at a time, each
+        to the slot of the lane that converts it (``warp_copy_reader``)."""
         g, t = lane // 4, lane % 4
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
         # 16-byte copies bypass L1 (.cg): no SM reads a weight byte twice.
@@ -228,9 +231,11 @@ class GroupedGemmMmaSyncSm90:
             for half in cutlass.range_constexpr(2):             # rows g and g + 8
                 row = (w_row + g + 8 * half).to(Int64)
                 for c in cutlass.range_constexpr(self.chunks):
-                    src = (w_base + row * w_stride + (
-                        warp_lane_weight_byte(t, kb, self.weight_format) + c * 16).to(Int64))
-                    copy_bytes(copy_16, 16, src, self.weight_slot(stage, mat, half, c, lane))
+                    unit = warp_copy_unit(t, c)
+                    reader, reader_chunk = warp_copy_reader(unit, self.chunks)
+                    src = w_base + row * w_stride + (kb * self.row_bytes + unit * 16).to(Int64)
+                    copy_bytes(copy_16, 16, src, self.weight_slot(
+                        stage, mat, half, reader_chunk, 4 * g + reader))
 
     def weight_slot(self, stage, mat, half, chunk, lane):
         """Shared address of the lane's 16-byte ``chunk`` of row g + 8 ``half`` of ``mat``:

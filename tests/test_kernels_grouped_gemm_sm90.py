@@ -317,18 +317,23 @@ def test_mma_fp8_stage_swizzle_is_a_conflict_free_permutation(kind):
                     assert len({a // 8 % 16 for a in addr}) == 16
 
 
-@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
-def test_mma_fp8_weight_copies_read_whole_sectors(fmt):
-    """Each copy instruction of a warp (one chunk of one row half) reads whole 32-byte
-    sectors of its 8 rows, and a row's chunks together cover its K block once."""
+@pytest.mark.parametrize("fmt", support.WEIGHT_FORMATS)
+def test_warp_weight_copies_read_whole_sectors_and_reach_their_reader(fmt):
+    """Each copy instruction of a warp kernel (one chunk of one row half) reads whole 32-byte
+    sectors of its 8 rows; a row's chunks cover its K block once; and in "mma_sync" each
+    copied unit lands in the slot of the lane that converts it (``warp_lane_weight_byte``)."""
     row_bytes = support.ROW_BYTES[fmt]
     chunks = row_bytes // 4 // 16
-    covered = set()
+    covered = []
     for c in range(chunks):
-        units = {support.fp8_warp_lane_unit(t, c) for t in range(4)}
+        units = {support.warp_copy_unit(t, c) for t in range(4)}
         assert all(u ^ 1 in units for u in units), (fmt, c, units)   # sector = 2 units
-        covered |= units
-    assert covered == set(range(row_bytes // 16))
+        covered += sorted(units)
+    assert sorted(covered) == list(range(row_bytes // 16))
+    kb = 3
+    for unit in covered:
+        t, chunk = support.warp_copy_reader(unit, chunks)
+        assert support.warp_lane_weight_byte(t, kb, fmt) + 16 * chunk == kb * row_bytes + 16 * unit
 
 
 def _mma_m16n8k32(a, b):
@@ -380,7 +385,7 @@ def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
             for half in range(2):
                 q = g + 8 * half
                 for c in range(chunks):
-                    copied = support.fp8_warp_lane_unit(t, c)
+                    copied = support.warp_copy_unit(t, c)
                     start = kb * row_bytes + 16 * copied
                     unit = support.fp8_warp_unit(fmt, q, copied)
                     stage[q, 16 * unit:16 * unit + 16] = raw[q, start:start + 16]
@@ -610,18 +615,23 @@ def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
 
 
 def test_small_decode_launches_split_k_to_fill_the_gpu():
-    """A dense linear of a small matrix at decode (few 64-row output blocks, one tile of rows)
-    splits K until every SM has a CTA, at most one split per scale group; launches with
-    enough CTAs (the routed experts at T = 1) do not split."""
+    """A decode launch with fewer than 2 CTAs per SM (a dense linear of a small matrix, few
+    64-row output blocks, one tile of rows) splits K to about 4 CTAs per SM, at most one
+    split per scale group and no split without work; launches with enough CTAs do not."""
     auto = dict(split_k=None, k_ins=(4096,))
     assert support.choose_config(8, 1, "fp8", n_outs=(512,), **auto).split_k == 8   # wkv
-    assert support.choose_config(1, 1, "fp8", n_outs=(4096,), **auto).split_k == 3  # wo_b
+    assert support.choose_config(1, 1, "fp8", n_outs=(4096,), k_ins=(8192,),
+                                 split_k=None).split_k == 8                          # wo_b
     assert support.choose_config(8, 1, "fp8", n_outs=(32768,), k_ins=(1024,),
                                  split_k=None).split_k == 1                          # wq_b
     assert support.choose_config(6, 256, "fp4", n_outs=(2048, 4096), k_ins=(4096, 2048),
-                                 split_k=None).split_k == 1                  # MoE, T = 1
+                                 split_k=None).split_k == 2                  # MoE, T = 1
+    assert support.choose_config(6, 256, "fp4", n_outs=(4096,), k_ins=(2048,),
+                                 split_k=None).split_k == 1           # 384 CTAs: no split
     assert support.choose_config(8, 1, "fp8", n_outs=(4096,), k_ins=(2048,),
-                                 split_k=None).split_k == 3                  # shared w2
+                                 split_k=None).split_k == 4                  # shared w2
+    # 7 groups per split would leave the eighth split without work: 6 splits of 3 groups.
+    assert support.auto_split_k(1, 1, "fp8", (16 * 4 * 128,), (70 * 64,)) == 6
     # Splits start scale groups: K = 512 (4 blocks, one FP8 group) cannot split.
     assert support.choose_config(8, 1, "fp8", n_outs=(512,), k_ins=(512,),
                                  split_k=None).split_k == 1
