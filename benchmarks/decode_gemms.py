@@ -24,10 +24,12 @@ weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 
 copy is timed first as the achievable bandwidth.
 
 Variants: "model" (``resolve_config`` under the default ``GroupedGemmPolicy``, as the model
-calls it); ``--sweep``: pipeline stages x K split (those that fit shared memory and whole
-scale groups); ``--ablations``: the model's config with each of its kernel's benchmark-only
-ablations (outputs wrong by design: where the time goes). ``--budget``: seconds after which
-no further variant is started (rows already timed are kept).
+calls it); ``--algorithms``: the config under each named decode algorithm (the policy's
+``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
+pipeline stages x K split (those that fit shared memory and whole scale groups);
+``--ablations``: the model's config with each of its kernel's benchmark-only ablations
+(outputs wrong by design: where the time goes). ``--budget``: seconds after which no further
+variant is started (rows already timed are kept).
 """
 from __future__ import annotations
 
@@ -93,11 +95,19 @@ def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
     return {s.name: s for s in shapes}
 
 
-def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool):
-    """``[(label, config)]``: the model's config first, then the sweep and the ablations."""
-    model = resolve_config(GroupedGemmPolicy(), rows, shape.groups, shape.fmt, (shape.k,),
-                           shape.simulate, (shape.n,))
+def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
+             algorithms: tuple[str, ...] = ()):
+    """``[(label, config)]``: the model's config first, then the config each of
+    ``algorithms`` gets as the policy's decode algorithm, the sweep and the ablations."""
+    def config(**policy):
+        return resolve_config(GroupedGemmPolicy(**policy), rows, shape.groups, shape.fmt,
+                              (shape.k,), shape.simulate, (shape.n,))
+    model = config()
     out = [("model", model)]
+    for algorithm in algorithms:
+        other = config(decode_algorithm=algorithm)
+        if other not in [c for _, c in out]:
+            out.append((f"decode_algorithm {algorithm}", other))
     if model.spec.tiles != "decode":
         return out
     if sweep:
@@ -174,6 +184,8 @@ def main(argv=None):
     p.add_argument("--gemms", default="all", help="comma-separated names or 'all'")
     p.add_argument("--sweep", action="store_true", help="stages x K split variants")
     p.add_argument("--ablations", action="store_true", help="the kernel's ablations")
+    p.add_argument("--algorithms", default="",
+                   help="comma-separated decode algorithms to time as the policy's choice")
     p.add_argument("--budget", type=float, default=float("inf"),
                    help="seconds after which no new variant starts")
     p.add_argument("--out", default=None, help="markdown table path")
@@ -217,8 +229,10 @@ def main(argv=None):
                       if shape.routed else shape.groups)
             floor = groups * one / (PEAK_TBPS * 1e12)
             model_t = None
-            for label, config in variants(shape, tokens * shape.rows_per_token, args.sweep,
-                                          args.ablations)[:1 if args.ncu else None]:
+            for label, config in variants(
+                    shape, tokens * shape.rows_per_token, args.sweep, args.ablations,
+                    tuple(a for a in args.algorithms.split(",") if a))[
+                        :1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
                           "and later variants not run", flush=True)
