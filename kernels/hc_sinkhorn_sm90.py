@@ -1,6 +1,6 @@
 """The mHC split and Sinkhorn normalisation of one sub-block for Hopper (sm_90a), in CuTe DSL.
 
-Computes ``hc_split_sinkhorn`` (``ffi/hc_sinkhorn.py``) for every token, one thread each:
+Computes ``hc_split_sinkhorn`` (``ffi/hc_sinkhorn.py``) for every token:
 
     pre[t]  = sigmoid(mix[t, 0:n] * scale[0] + base[0:n]) + eps
     post[t] = 2 sigmoid(mix[t, n:2n] * scale[1] + base[n:2n])
@@ -11,12 +11,25 @@ Computes ``hc_split_sinkhorn`` (``ffi/hc_sinkhorn.py``) for every token, one thr
 Why a kernel: the computation is a few hundred flops per token, but as XLA ops it is a chain
 of small reductions and divisions, dozens of launches per sub-block (docs/performance.md).
 
-Dataflow: thread t loads its (2 + n) n mixes (f32) and the shared scale and base -- all loads
-first, then all stores --, keeps the n x n matrix in registers through the iterations
-(unrolled: n and iters are compile-time), and writes pre [T, n], post [T, n] and comb [T, n n]. Sums run in index order; each row or
-column is scaled by one IEEE reciprocal of its sum (as XLA computes a division by a
-broadcast sum: one division per row instead of n, which bounds the thread's serial chain);
-sigmoid and exp use ``exp2`` (the reference's numbers to a few ulps).
+Numerics (both dataflows alike): sums run in index order; each row or column is scaled by
+one IEEE reciprocal of its sum (as XLA computes a division by a broadcast sum); sigmoid and
+exp use ``exp2`` (the reference's numbers to a few ulps).
+
+Dataflow, n n <= 32 (``lanes_per_token``; DSV4's n = 4): P = n n rounded up to a power of
+two lanes per token, lane l of a token's group holding element (l / n, l % n) of its matrix
+(lanes past n n hold a copy of element (0, 0)); each lane loads its mix, and lanes l < n
+also mix l of pre and post. A row (column) sum gathers the row's (column's) n elements from
+their lanes with ``shfl.idx`` and adds them in index order; each lane takes the reciprocal of
+its own row's (column's) sum. A decode step's few tokens then run the Sinkhorn chain on n n
+lanes each: one reciprocal per lane and step instead of n per thread (the one-thread
+dataflow's instruction count bounded the kernel, docs/performance.md). Lanes of tokens past
+the end compute the last token's values and store nothing: every lane takes part in every
+shuffle. Stores are coalesced: comb [T, n n] element by element.
+
+Dataflow, n n > 32: one thread per token loads its (2 + n) n mixes and the shared scale and
+base -- all loads first, then all stores (the outputs may alias the inputs as far as the
+compiler knows) --, keeps the n x n matrix in registers through the iterations (unrolled: n
+and iters are compile-time), and writes pre [T, n], post [T, n] and comb [T, n n].
 
 Constraints: f32 mixes ``[T, (2 + n) n]``, scale ``[3]``, base ``[(2 + n) n]``; n <= 8.
 """
@@ -40,6 +53,15 @@ def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
 
 
+def lanes_per_token(n: int) -> int:
+    """Lanes per token of the shuffle dataflow: n n rounded up to a power of two, or 1 (one
+    thread per token) when that exceeds a warp."""
+    lanes = 1
+    while lanes < n * n:
+        lanes *= 2
+    return lanes if lanes <= 32 else 1
+
+
 class HcSinkhornSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
 
@@ -48,15 +70,77 @@ class HcSinkhornSm90:
         self.iters = iters
         self.eps = float(eps)
         self.threads = config.threads
+        self.lanes = lanes_per_token(n)
 
     @cute.jit
     def __call__(self, mMix: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
                  mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor,
                  stream: cuda.CUstream):
         tokens = mMix.shape[0]
-        self.kernel(mMix, mScale, mBase, mPre, mPost, mComb).launch(
-            grid=[(tokens + self.threads - 1) // self.threads, 1, 1],
-            block=[self.threads, 1, 1], stream=stream)
+        if cutlass.const_expr(self.lanes > 1):
+            per_cta = self.threads // self.lanes
+            self.kernel_lanes(mMix, mScale, mBase, mPre, mPost, mComb).launch(
+                grid=[(tokens + per_cta - 1) // per_cta, 1, 1],
+                block=[self.threads, 1, 1], stream=stream)
+        else:
+            self.kernel(mMix, mScale, mBase, mPre, mPost, mComb).launch(
+                grid=[(tokens + self.threads - 1) // self.threads, 1, 1],
+                block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel_lanes(self, mMix: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
+                     mPre: cute.Tensor, mPost: cute.Tensor, mComb: cute.Tensor):
+        """P lanes per token (see the module docstring)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        n, lanes = self.n, self.lanes
+        eps = Float32(self.eps)
+        tokens = mMix.shape[0]
+        t = bidx * (self.threads // lanes) + tidx // lanes
+        lane = tidx % lanes
+        first = tidx % 32 - lane                 # the warp lane of this token's element 0
+        src = t
+        if t >= tokens:
+            src = tokens - 1
+        element = lane
+        if lane >= n * n:
+            element = 0
+        row, col = element // n, element % n
+        x = mMix[src, 2 * n + element] * mScale[2] + mBase[2 * n + element]
+        head = lane
+        if lane >= n:
+            head = 0
+        pre = _sigmoid(mMix[src, head] * mScale[0] + mBase[head]) + eps
+        post = Float32(2.0) * _sigmoid(mMix[src, n + head] * mScale[1] + mBase[n + head])
+
+        def gather(value, in_row: bool):
+            """The n elements of this lane's row (or column), in index order."""
+            return [cute.arch.shuffle_sync(value, first + (row * n + k if in_row
+                                                           else k * n + col))
+                    for k in range(n)]
+
+        def total(values):
+            acc = values[0]
+            for v in values[1:]:
+                acc = acc + v
+            return acc
+
+        top = gather(x, True)                    # row softmax + eps
+        peak = top[0]
+        for v in top[1:]:
+            peak = cute.arch.fmax(peak, v)
+        e = _exp(x - peak)
+        x = e * (Float32(1.0) / total(gather(e, True))) + eps
+        x = x * (Float32(1.0) / (total(gather(x, False)) + eps))
+        for _ in cutlass.range_constexpr(self.iters - 1):
+            x = x * (Float32(1.0) / (total(gather(x, True)) + eps))
+            x = x * (Float32(1.0) / (total(gather(x, False)) + eps))
+        if t < tokens:
+            if lane < n * n:
+                mComb[t, lane] = x
+            if lane < n:
+                mPre[t, lane] = pre
+                mPost[t, lane] = post
 
     @cute.kernel
     def kernel(self, mMix: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,

@@ -13,11 +13,11 @@ from dsv4_jax.ffi import hc_split_sinkhorn, hc_split_sinkhorn_reference
 N, ITERS, EPS = 4, 20, 1e-6
 
 
-def _inputs(tokens, seed=0):
+def _inputs(tokens, seed=0, n=N):
     rng = np.random.default_rng(seed)
-    mixes = (rng.standard_normal((tokens, (2 + N) * N)) * 2).astype(np.float32)
+    mixes = (rng.standard_normal((tokens, (2 + n) * n)) * 2).astype(np.float32)
     return (jnp.asarray(mixes), jnp.asarray(rng.random(3) + 0.5, jnp.float32),
-            jnp.asarray(rng.standard_normal((2 + N) * N), jnp.float32))
+            jnp.asarray(rng.standard_normal((2 + n) * n), jnp.float32))
 
 
 def test_reference_matches_the_float64_formula():
@@ -59,30 +59,47 @@ def test_bad_input_names_the_argument(change, error, message):
                           iters=args["iters"], eps=EPS)
 
 
-def test_kernel_compiles_for_sm90a():
+@pytest.mark.parametrize("n", [4, 6])
+def test_kernel_compiles_for_sm90a(n):
+    """n = 4 (DSV4): the shuffle dataflow, one reciprocal per lane and normalisation; n = 6
+    (n n > 32): one thread per token, one per row and column."""
     pytest.importorskip("cutlass")
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
     from dsv4_jax.kernels import hc_sinkhorn_sm90 as kernel
     t = cute.sym_int()
+    mixes = (2 + n) * n
     f32 = lambda shape: make_fake_compact_tensor(cutlass.Float32, shape, assumed_align=16)
-    compiled = cute.compile(kernel.hc_sinkhorn_launcher, make_fake_stream(), f32((t, 24)),
-                            f32((3,)), f32((24,)), f32((t, N)), f32((t, N)), f32((t, N * N)),
-                            n=N, iters=ITERS, eps=EPS)
+    compiled = cute.compile(kernel.hc_sinkhorn_launcher, make_fake_stream(), f32((t, mixes)),
+                            f32((3,)), f32((mixes,)), f32((t, n)), f32((t, n)), f32((t, n * n)),
+                            n=n, iters=ITERS, eps=EPS)
     ptx = compiled.artifacts.PTX
-    assert ".target sm_90a" in ptx
-    # One IEEE reciprocal per row and column of each normalisation and per gate (the rest
-    # are multiplications), every output written once.
-    assert ptx.count("rcp.rn.f32") == 2 * N * ITERS + 2 * N and "div.rn.f32" not in ptx
-    assert ptx.count("st.global") == 2 * N + N * N
+    assert ".target sm_90a" in ptx and "div.rn.f32" not in ptx
+    if kernel.lanes_per_token(n) > 1:
+        # Per lane: its row's and column's reciprocal per normalisation, its two gates; the
+        # n elements of a row or column gathered by shuffles; one comb, pre, post store.
+        assert ptx.count("rcp.rn.f32") == 2 * ITERS + 2
+        assert ptx.count("shfl.sync.idx") == n * (3 + 2 * (ITERS - 1))
+        assert ptx.count("st.global") == 3
+    else:
+        # One IEEE reciprocal per row and column of each normalisation and per gate (the
+        # rest are multiplications), every output written once.
+        assert ptx.count("rcp.rn.f32") == 2 * n * ITERS + 2 * n
+        assert ptx.count("st.global") == 2 * n + n * n
+
+
+def test_lanes_per_token():
+    from dsv4_jax.kernels.hc_sinkhorn_sm90 import lanes_per_token
+    assert [lanes_per_token(n) for n in range(1, 9)] == [1, 4, 16, 16, 32, 1, 1, 1]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 8, 300, 4096])
-def test_cute_matches_the_reference(tokens):
-    mixes, scale, base = _inputs(tokens, seed=tokens)
-    kw = dict(n=N, iters=ITERS, eps=EPS)
+@pytest.mark.parametrize("n,tokens", [(4, 1), (4, 8), (4, 300), (4, 4096), (2, 37), (3, 37),
+                                      (6, 37)])
+def test_cute_matches_the_reference(n, tokens):
+    mixes, scale, base = _inputs(tokens, seed=tokens, n=n)
+    kw = dict(n=n, iters=ITERS, eps=EPS)
     got = jax.jit(lambda m: hc_split_sinkhorn(m, scale, base, implementation="cute", **kw))(mixes)
     want = jax.jit(lambda m: hc_split_sinkhorn_reference(m, scale, base, **kw))(mixes)
     for g, w in zip(got, want):
