@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import sys
 import time
 
 import dsv4_jax  # noqa: F401  (first: XLA flags)
@@ -205,7 +206,7 @@ def main(argv=None):
         raise SystemExit("decode_gemms.py: no GPU; --tiny runs a dry run of the script")
     start = time.perf_counter()
     lines = [f"decode_gemms, {datetime.date.today()}, {jax.devices()[0].device_kind}, "
-             f"`python decode_gemms.py {' '.join(argv or [])}`", ""]
+             f"`python decode_gemms.py {' '.join(sys.argv[1:] if argv is None else argv)}`", ""]
     if not dry and not args.ncu:
         x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
         t = back_to_back_seconds(jax.jit(lambda x: x * 2.0), x, per_group=10)
