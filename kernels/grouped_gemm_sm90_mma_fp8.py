@@ -77,24 +77,9 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         unit = fp8_warp_unit(self.weight_format, q, warp_copy_unit(t, chunk))
         return stage + q * self.row_bytes + unit * 16
 
-    @cute.jit
-    def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
-                      stage: Int32, k_in: Int32, lane: Int32):
-        """Lane 4g + t: its units (``warp_copy_unit``) of K block ``kb`` of weight rows g and
-        g + 8 of each matrix, 16 bytes at a time, to ``weight_slot``."""
-        g, t = lane // 4, lane % 4
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
-        copy_16 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
-            num_bits_per_copy=128)
-        for mat in cutlass.range_constexpr(self.mats):
-            w_base = (mWa if mat == 0 else mWb).iterator.toint()
-            for half in cutlass.range_constexpr(2):             # rows g and g + 8
-                row = (w_row + g + 8 * half).to(Int64)
-                for c in cutlass.range_constexpr(self.chunks):
-                    src = w_base + row * w_stride + (
-                        kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
-                    copy_bytes(copy_16, 16, src, self.weight_slot(stage, mat, half, c, lane))
+    def copy_slot(self, stage, mat, half, chunk, lane):
+        """A lane's copies go to its own units of the rows (``weight_slot``)."""
+        return self.weight_slot(stage, mat, half, chunk, lane)
 
     @cute.jit
     def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,

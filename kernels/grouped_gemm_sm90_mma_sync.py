@@ -218,8 +218,8 @@ class GroupedGemmMmaSyncSm90:
     def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
                       stage: Int32, k_in: Int32, lane: Int32):
         """Lane 4g + t: units ``warp_copy_unit(t, c)`` of K block ``kb`` of weight rows g and
-        g + 8 of each matrix (whole sectors per copy instruction), 16 bytes at a time, each
-        to the slot of the lane that converts it (``warp_copy_reader``)."""
+        g + 8 of each matrix (whole sectors per copy instruction), 16 bytes at a time, to
+        ``copy_slot``."""
         g, t = lane // 4, lane % 4
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
         # 16-byte copies bypass L1 (.cg): no SM reads a weight byte twice.
@@ -231,11 +231,16 @@ class GroupedGemmMmaSyncSm90:
             for half in cutlass.range_constexpr(2):             # rows g and g + 8
                 row = (w_row + g + 8 * half).to(Int64)
                 for c in cutlass.range_constexpr(self.chunks):
-                    unit = warp_copy_unit(t, c)
-                    reader, reader_chunk = warp_copy_reader(unit, self.chunks)
-                    src = w_base + row * w_stride + (kb * self.row_bytes + unit * 16).to(Int64)
-                    copy_bytes(copy_16, 16, src, self.weight_slot(
-                        stage, mat, half, reader_chunk, 4 * g + reader))
+                    src = w_base + row * w_stride + (
+                        kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
+                    copy_bytes(copy_16, 16, src, self.copy_slot(stage, mat, half, c, lane))
+
+    def copy_slot(self, stage, mat, half, chunk, lane):
+        """Where lane 4g + t's copy ``chunk`` of row g + 8 ``half`` of ``mat`` goes: the slot
+        of the lane that converts that unit (``warp_copy_reader``)."""
+        g, t = lane // 4, lane % 4
+        reader, reader_chunk = warp_copy_reader(warp_copy_unit(t, chunk), self.chunks)
+        return self.weight_slot(stage, mat, half, reader_chunk, 4 * g + reader)
 
     def weight_slot(self, stage, mat, half, chunk, lane):
         """Shared address of the lane's 16-byte ``chunk`` of row g + 8 ``half`` of ``mat``:
