@@ -1,0 +1,40 @@
+"""``benchmarks/decode_gemms.py`` without a GPU: the GEMMs it times are the Flash layer's, and
+its variants start with the model's config and stay within what the kernels take."""
+import os
+import sys
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import decode_gemms  # noqa: E402
+from dsv4_jax.config import Config  # noqa: E402
+from dsv4_jax.kernels import grouped_gemm_config as support  # noqa: E402
+
+
+def test_the_flash_layer_gemms():
+    shapes = decode_gemms.gemm_shapes(Config.flash(quantized=True))
+    dims = {name: (s.groups, s.n, s.k, s.fmt, s.gated) for name, s in shapes.items()}
+    assert dims == {
+        "wq_a": (1, 1024, 4096, "fp8", False), "wkv": (1, 512, 4096, "fp8", False),
+        "wq_b": (1, 32768, 1024, "fp8", False), "index_wq_b": (1, 8192, 1024, "fp8", False),
+        "wo_a": (8, 1024, 4096, "fp8", False), "wo_b": (1, 4096, 8192, "fp8", False),
+        "shared_w13": (1, 2048, 4096, "fp8", True), "shared_w2": (1, 4096, 2048, "fp8", False),
+        "routed_w13": (256, 2048, 4096, "fp4", True), "routed_w2": (256, 4096, 2048, "fp4", False)}
+    assert not shapes["wo_a"].simulate and shapes["wo_a"].rows_per_token == 8
+    assert shapes["routed_w13"].routed and shapes["routed_w13"].rows_per_token == 6
+
+
+def test_variants_start_with_the_model_config_and_fit():
+    shape = decode_gemms.gemm_shapes(Config.flash(quantized=True))["wo_b"]
+    out = decode_gemms.variants(shape, 1, sweep=True, ablations=True,
+                                algorithms=("mma_sync",))
+    labels = [label for label, _ in out]
+    model = out[0][1]
+    assert labels[0] == "model" and (model.algorithm, model.split_k) == ("mma_fp8", 8)
+    assert "decode_algorithm mma_sync" in labels
+    assert {c.ablation for _, c in out} >= set(support.KERNELS["mma_fp8"].ablations) - {
+        "no_dequant"}                                          # FP8 weights: nothing to convert
+    for label, config in out:
+        assert config.smem_bytes(shape.fmt, shape.gated) <= support.SMEM_BYTES, label
+        assert config.split_k <= shape.k // support.BLOCK_K // 4, label
+    assert len({c for _, c in out}) == len(out)                # no variant twice
