@@ -127,10 +127,11 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
     return out
 
 
-def weight_sets(shape: GemmShape, key, count: int):
-    """``count`` independent ``(w, w_up)`` pairs of ``(weight, scale)``."""
+def weight_sets(shape: GemmShape, key, count: int, start: int = 0):
+    """``count`` independent ``(w, w_up)`` pairs of ``(weight, scale)``: sets ``start ..
+    start + count - 1`` of ``key``."""
     sets = []
-    for i in range(count):
+    for i in range(start, start + count):
         k = jax.random.fold_in(key, i)
         keys = jax.random.split(k, 4)
         w = cases.random_weight(shape.fmt, keys[0], keys[1], shape.groups, shape.n, shape.k)
@@ -140,13 +141,13 @@ def weight_sets(shape: GemmShape, key, count: int):
     return jax.block_until_ready(sets)
 
 
-def inputs(shape: GemmShape, tokens: int, key, sets: int, cfg: Config):
+def inputs(shape: GemmShape, tokens: int, key, sets: int):
     """Per set ``(x [rows, K] bf16, group ids [rows], row weights [rows])``."""
     out = []
     for i in range(sets):
         kx, kr = jax.random.split(jax.random.fold_in(key, 1000 + i))
-        x = cases.token_inputs(kx, tokens, shape.k)
         if shape.routed:
+            x = cases.token_inputs(kx, tokens, shape.k)
             idx, w = cases.routing("balanced", tokens, shape.groups, shape.rows_per_token, kr)
             out.append(cases.assignment_rows(x, idx, w))
         else:
@@ -219,13 +220,14 @@ def main(argv=None):
     key = jax.random.key(0)
     for name in names:
         shape = shapes[name]
-        one = cases.bytes_per_group(*[m for m in weight_sets(shape, key, 1)[0] if m])
+        first = weight_sets(shape, key, 1)
+        one = cases.bytes_per_group(*[m for m in first[0] if m])
         count = 8 if shape.routed else min(MAX_SETS, max(2, -(-SET_BYTES // int(
             one * shape.groups))))
-        weights = (weight_sets(shape, key, 1) * count if shape.routed
-                   else weight_sets(shape, key, count))
+        weights = (first * count if shape.routed        # one expert stack, R routings
+                   else first + weight_sets(shape, key, count - 1, start=1))
         for tokens in (int(t) for t in args.tokens.split(",")):
-            rows_sets = inputs(shape, tokens, key, count, cfg)
+            rows_sets = inputs(shape, tokens, key, count)
             groups = (sum(cases.touched_groups(ids) for _, ids, _ in rows_sets) / count
                       if shape.routed else shape.groups)
             floor = groups * one / (PEAK_TBPS * 1e12)

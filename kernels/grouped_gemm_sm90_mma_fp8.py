@@ -20,7 +20,8 @@ conversion:
 Dataflow per K block (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token
 rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sync"):
 weights by lane 4g + t (16-byte units t (FP4) or t, 4 + t (FP8: whole sectors per copy
-instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's stage (``grouped_gemm_config.fp8_warp_unit``);
+instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's
+stage (``grouped_gemm_config.fp8_warp_unit``);
 token codes by threads 0-63 (one 16-byte unit each) and token scales by threads 64-71 into
 the CTA's stage; weight scales every ``scale_group`` K blocks into the warp's buffers.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
@@ -43,7 +44,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, GroupedGemmSm90Config,
-                       warp_copy_unit, fp8_warp_smem_bytes, fp8_warp_unit)
+                       fp8_warp_smem_bytes, fp8_warp_unit, warp_copy_unit)
 from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
                                mma_m16n8k32_e4m3)
 from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
