@@ -40,7 +40,9 @@ class GroupedGemmPolicy:
 
     decode_algorithm: kernel for decode-size inputs (few rows per group): ``"mma_fp8"``
       (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
-      simulation -- ``"mma_sync"`` runs), ``"mma_sync"``, ``"wgmma"`` or ``"wgmma_fp8"``.
+      simulation -- ``"mma_sync"`` runs), ``"mma_fp8_stream"`` (its MMAs with the weights
+      loaded into registers; the same fallback), ``"mma_sync"``, ``"wgmma"`` or
+      ``"wgmma_fp8"``.
     prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"`` or ``"wgmma_fp8"``.
     split_k: K split of the decode kernels for at most two tiles of rows: None (automatic:
       split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``), or

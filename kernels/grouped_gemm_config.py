@@ -11,6 +11,7 @@ the same arguments and outputs; ``KERNELS`` is their table:
 | ``"wgmma_fp8"`` | ``grouped_gemm_sm90_wgmma_fp8`` | prefill | "wgmma" on FP8 WGMMAs, FP4 scales folded into e4m3 codes |
 | ``"mma_sync"`` | ``grouped_gemm_sm90_mma_sync`` | decode (8 rows) | every warp streams 16 weight rows, converts them in registers, warp-level bf16 MMAs |
 | ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
+| ``"mma_fp8_stream"`` | ``grouped_gemm_sm90_mma_fp8_stream`` | decode (8 rows) | "mma_fp8" with the weights loaded straight into registers (no shared-memory ring, no barrier per K block) |
 
 The FP8 kernels take the activations as e4m3 codes and per-(row, 128 columns) scales
 (``quant.act_quant``), so they need FP4/FP8 weights and the FP8 activation simulation.
@@ -80,6 +81,9 @@ KERNELS = {spec.algorithm: spec for spec in (
     KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_token_load", "no_dequant", "no_mma")),
+    KernelSpec("mma_fp8_stream", "grouped_gemm_sm90_mma_fp8_stream",
+               "GroupedGemmMmaFp8StreamSm90", "decode", True, ("fp4", "fp8"), WARP_TOKENS, True,
+               ("no_load", "no_mma")),
     KernelSpec("wgmma_fp8", "grouped_gemm_sm90_wgmma_fp8", "GroupedGemmWgmmaFp8Sm90", "any",
                True, ("fp4", "fp8"), FP8_WGMMA_MAX_BLOCK_N, False, ("no_dequant", "no_mma")),
 )}
@@ -151,6 +155,8 @@ class GroupedGemmSm90Config:
             return warp_smem_bytes(weight_format, gated, self.num_stages)
         if self.algorithm == "mma_fp8":
             return fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
+        if self.algorithm == "mma_fp8_stream":
+            return STREAM_CHUNK_BLOCKS * STREAM_KBLOCK_BYTES
         if self.algorithm == "wgmma_fp8":        # per stage, bytes (grouped_gemm_sm90_wgmma_fp8)
             stage = (mats * BLOCK_M * (ROW_BYTES[weight_format] + BLOCK_K + 4 + 8)
                      + self.block_n * (BLOCK_K + 4))
@@ -261,6 +267,30 @@ def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int
     weights = WARP_COUNT * mats * WARP_ROWS * ROW_BYTES[weight_format]
     return (num_stages * (weights + FP8_TOKEN_STAGE_BYTES)
             + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
+
+
+# "mma_fp8_stream": K blocks of token codes + scales staged per chunk (one CTA barrier each;
+# every per-CTA K range of the Flash decode launches fits one), the bytes of one K block
+# (8 rows x 128 codes, then 8 f32 scales), and the weight words a lane may hold in flight.
+STREAM_CHUNK_BLOCKS = 16
+STREAM_KBLOCK_BYTES = WARP_TOKENS * BLOCK_K + WARP_TOKENS * 4
+STREAM_LANE_WORDS = 64
+
+
+def stream_batch_blocks(weight_format: str, gated: bool, num_stages: int) -> int:
+    """"mma_fp8_stream": K blocks whose weight loads a warp issues together -- the config's
+    ``num_stages``, at most what ``STREAM_LANE_WORDS`` registers hold (per lane and K
+    block: 8 words per matrix for FP4, 16 for FP8)."""
+    per_block = (2 if gated else 1) * (16 if weight_format == "fp8" else 8)
+    return max(1, min(num_stages, STREAM_LANE_WORDS // per_block))
+
+
+def stream_token_unit(row, unit):
+    """"mma_fp8_stream": where 16-byte unit ``unit`` (0-7) of token row ``row`` sits in its
+    128 bytes of a staged K block. A step's 8-byte reads (lane 4g + t: unit 2 step + t / 2
+    of row g) then hit distinct banks in each half warp (rows g = 0-3 or 4-7 XOR their
+    unit pairs by 0, 4, 2, 6). Works on ints and kernel integers alike."""
+    return unit ^ (((row & 1) << 2) | (row & 2))
 
 
 def warp_copy_unit(t, chunk):
@@ -402,7 +432,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         ctas = min(n_outs) // BLOCK_M * num_groups * -(-num_rows // num_groups // block)
         decode = ctas < NUM_SMS
     fp8_ok = weight_format != "bf16" and fp8_activations
-    if decode_algorithm == "mma_fp8" and not fp8_ok:
+    if decode_algorithm in ("mma_fp8", "mma_fp8_stream") and not fp8_ok:
         decode_algorithm = "mma_sync"
     if not fp8_ok or any((k // BLOCK_K) % 2 for k in k_ins):
         decode_algorithm = "wgmma" if decode_algorithm == "wgmma_fp8" else decode_algorithm

@@ -5,7 +5,8 @@ integer instructions (``tests/test_kernels_grouped_gemm_sm90.py`` replays both o
 ``fp4x8_to_e4m3x8`` makes FP4 codes FP8 tensor-core operands (``fp4x8_to_e4m3x8_table``
 with ``e4m3_fold_table``: with a power-of-two factor folded in); ``mma_m16n8k16_bf16`` and
 ``mma_m16n8k32_e4m3`` are the warp-level tensor-core MMAs with their PTX fragment layouts;
-``copy_bytes`` is one cp.async of raw bytes; ``gated_output`` is the SwiGLU epilogue.
+``copy_bytes`` is one cp.async of raw bytes, ``load_global_words`` one read-only load
+into registers; ``gated_output`` is the SwiGLU epilogue.
 """
 from __future__ import annotations
 
@@ -252,6 +253,29 @@ def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
     ``(C[g, 2t], C[g, 2t+1], C[g+8, 2t], C[g+8, 2t+1])`` with A 16x16, B 16x8, C 16x8.
     """
     return _mma_f32("m16n8k16.row.col.f32.bf16.bf16.f32", a, b, c, loc, ip)
+
+
+@dsl_user_op
+def load_global_words(addr: Int64, count: cutlass.Constexpr, *, keep_in_l1: bool = False,
+                      loc=None, ip=None):
+    """``count`` (1, 2 or 4) 32-bit words from a read-only global address aligned to their
+    size, straight into registers (``ld.global.nc``): ``keep_in_l1`` False bypasses L1
+    (bytes no other instruction of the SM reads), True keeps the line for the neighbouring
+    loads that read the rest of its sectors."""
+    hint = "" if keep_in_l1 else ".L1::no_allocate"
+    vec = {1: "", 2: ".v2", 4: ".v4"}[count]
+    outs = ", ".join(f"${i}" for i in range(count))
+    text = f"ld.global.nc{hint}{vec}.b32 {{{outs}}}, [${count}];"
+    if count == 1:
+        text = f"ld.global.nc{hint}.b32 $0, [$1];"
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * count) if count > 1 else T.i32(),
+        [Int64(addr).ir_value(loc=loc, ip=ip)], text, "=r," * count + "l",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    if count == 1:
+        return (Int32(res),)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(count))
 
 
 @cute.jit

@@ -330,11 +330,12 @@ def test_wgmma_fp8_prefill_matches_the_reference(dims, fmt, t, routing):
                          policy=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
 
 
-# The K split of the decode kernels (opt-in): T = 1-2 on both warp algorithms.
+# The K split of the decode kernels (opt-in): T = 1-2 on the warp algorithms.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims, fmt, t, algorithm", [
     (d, f, t, a) for d in ("small", "flash") for f in ("fp4", "fp8") for t in (1, 2)
-    for a in ("mma_fp8", "mma_sync")] + [("pro", "fp4", 1, "mma_fp8"), ("small", "bf16", 1, "")])
+    for a in ("mma_fp8", "mma_sync", "mma_fp8_stream")]
+    + [("pro", "fp4", 1, "mma_fp8"), ("small", "bf16", 1, "")])
 def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
     policy = GroupedGemmPolicy(split_k=4, **({"decode_algorithm": algorithm} if algorithm
                                              else {}))
@@ -343,9 +344,9 @@ def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
 
 # Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
 # applies: the default ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token
-# counts and routings than GPU_CASES, and the others ("mma_sync" for FP4/FP8; "wgmma": the
-# prefill kernel with 8-row tiles, kept selectable) on fewer. Narrow with -k (e.g. "small",
-# "mma_sync", "wgmma").
+# counts and routings than GPU_CASES, and the others ("mma_sync" and "mma_fp8_stream" for
+# FP4/FP8; "wgmma": the prefill kernel with 8-row tiles, kept selectable) on fewer. Narrow
+# with -k (e.g. "small", "mma_sync", "wgmma").
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
@@ -359,6 +360,11 @@ DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in
                 + [("small", f, 64, "one_expert", "mma_sync") for f in ("fp4", "fp8")]
                 + [("flash", f, t, "random", "mma_sync") for f in ("fp4", "fp8") for t in (1, 8, 64)]
                 + [("pro", "fp4", 8, "random", "mma_sync")]
+                + [("small", f, t, r, "mma_fp8_stream") for f in ("fp4", "fp8")
+                   for t in (1, 3, 8, 16) for r in ("random", "dropped")]
+                + [("flash", f, t, "random", "mma_fp8_stream") for f in ("fp4", "fp8")
+                   for t in (1, 8, 64)]
+                + [("pro", "fp4", 8, "random", "mma_fp8_stream")]
                 + [("small", f, t, r, "wgmma") for f in ("fp4", "fp8", "bf16") for t in (3, 8)
                    for r in ("random", "dropped")]
                 + [("flash", f, 8, "random", "wgmma") for f in ("fp4", "fp8")])

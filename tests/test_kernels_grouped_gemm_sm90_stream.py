@@ -1,0 +1,132 @@
+"""The "mma_fp8_stream" decode kernel (``kernels/grouped_gemm_sm90_mma_fp8_stream.py``): its
+token layout and register budget on the CPU, its compilation for sm_90a, and -- on the GPU --
+its outputs equal to "mma_fp8"'s bit for bit (same MMAs, same order) and close to the
+reference, at the model's decode shapes."""
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax import quant
+from dsv4_jax.ffi import grouped_gemm_reference
+from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, resolve_config
+from dsv4_jax.ffi.policy import GroupedGemmPolicy
+from dsv4_jax.kernels import grouped_gemm_config as support
+
+LIMIT = 10.0
+STREAM = GroupedGemmPolicy(decode_algorithm="mma_fp8_stream")
+
+
+def test_token_units_are_a_conflict_free_permutation():
+    """Each staged token row keeps its 8 units; an MMA step's 8-byte reads (lane 4g + t:
+    unit 2 step + t/2 of row g, bytes 8 (t % 2)) hit 16 distinct 8-byte bank pairs in each
+    half warp."""
+    for row in range(8):
+        assert sorted(support.stream_token_unit(row, u) for u in range(8)) == list(range(8))
+    for step in range(4):
+        for half_warp in range(2):
+            lanes = range(16 * half_warp, 16 * half_warp + 16)
+            addr = [(l // 4) * support.BLOCK_K + 16 * support.stream_token_unit(
+                l // 4, 2 * step + (l % 4) // 2) + 8 * (l % 2) for l in lanes]
+            assert len({a // 8 % 16 for a in addr}) == 16
+
+
+@pytest.mark.parametrize("fmt, gated, want", [("fp8", False, 4), ("fp8", True, 2),
+                                              ("fp4", False, 6), ("fp4", True, 4)])
+def test_batches_fit_the_register_budget(fmt, gated, want):
+    batch = support.stream_batch_blocks(fmt, gated, 6)
+    assert batch == want
+    per_block = (2 if gated else 1) * (16 if fmt == "fp8" else 8)
+    assert batch * per_block <= support.STREAM_LANE_WORDS
+    assert support.stream_batch_blocks(fmt, gated, 1) == 1
+
+
+@pytest.mark.parametrize("fmt, gated, k, split", [("fp8", False, 1024, 1), ("fp8", True, 512, 2),
+                                                  ("fp4", True, 512, 1), ("fp4", False, 384, 1)])
+def test_compiles_for_sm90a(fmt, gated, k, split):
+    """Weights by ``ld.global.nc`` into registers (no cp.async of weights: the only cp.async
+    are the token codes and scales), the MMAs of one batch of K blocks, two CTA barriers."""
+    from grouped_gemm_compile import compile_variant
+    config = support.choose_config(8, 4, fmt, decode_algorithm="mma_fp8_stream", split_k=split)
+    assert config.algorithm == "mma_fp8_stream" and config.split_k == split
+    compiled = compile_variant(fmt, gated, config, k=k)
+    ptx = compiled.artifacts.PTX
+    mats = 2 if gated else 1
+    batch = support.stream_batch_blocks(fmt, gated, config.num_stages)
+    mma = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
+    assert len(mma) == 4 * mats * batch
+    # Per K block of the batch: 8 weight loads per matrix, and its scale words.
+    loads = ptx.count("ld.global.nc")
+    assert loads == batch * mats * (8 + (1 if fmt == "fp8" else 2))
+    assert ptx.count("ld.global.nc.L1::no_allocate.v2") == (batch * mats * 8
+                                                            if fmt == "fp8" else 0)
+    assert len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)) == 2
+    assert ptx.count("bar.sync") == 2 and "wgmma" not in ptx
+    assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
+    for ablation in ("no_load", "no_mma"):
+        compile_variant(fmt, gated, support.GroupedGemmSm90Config(
+            block_n=8, num_stages=config.num_stages, algorithm="mma_fp8_stream",
+            split_k=split, ablation=ablation), k=k)
+
+
+def test_falls_back_where_fp8_does_not_apply():
+    pick = lambda fmt, fp8: support.choose_config(  # noqa: E731
+        8, 256, fmt, decode_algorithm="mma_fp8_stream", fp8_activations=fp8).algorithm
+    assert pick("fp4", True) == "mma_fp8_stream"
+    assert pick("bf16", True) == pick("fp8", False) == "mma_sync"
+
+
+# ----------------------------------------------------------------------------- GPU
+def _weight(key, fmt, groups, n, k):
+    w = jax.random.normal(key, (groups, n, k), jnp.float32) * k ** -0.5
+    return quant.quantize_fp8_weight(w) if fmt == "fp8" else quant.quantize_fp4_weight(w)
+
+
+def _f64(a):
+    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+
+
+# name: (fmt, groups, N, K, gated, rows, routed) -- the Flash decode GEMMs: dense FP8 linears
+# (one group), the shared expert's gated GEMM, the routed experts (FP4, a row per
+# (token, expert)), at 1 and 8 tokens; K splits as the model's rule picks them.
+GPU_CASES = {
+    "wq_b_t1": ("fp8", 1, 32768, 1024, False, 1, False),
+    "wo_b_t8": ("fp8", 1, 4096, 8192, False, 8, False),
+    "wq_a_t1": ("fp8", 1, 1024, 4096, False, 1, False),
+    "shared_w13_t1": ("fp8", 1, 2048, 4096, True, 1, False),
+    "shared_w13_t8": ("fp8", 1, 2048, 4096, True, 8, False),
+    "routed_w13_t1": ("fp4", 256, 2048, 4096, True, 6, True),
+    "routed_w13_t8": ("fp4", 256, 2048, 4096, True, 48, True),
+    "routed_w2_t8": ("fp4", 256, 4096, 2048, False, 48, True),
+    "small_fp8_routed": ("fp8", 8, 256, 640, True, 20, True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_equals_mma_fp8_and_matches_the_reference(name):
+    fmt, groups, n, k, gated, rows, routed = GPU_CASES[name]
+    key = jax.random.key(len(name))
+    w = _weight(jax.random.fold_in(key, 1), fmt, groups, n, k)
+    w_up = _weight(jax.random.fold_in(key, 2), fmt, groups, n, k) if gated else None
+    x = jax.random.normal(jax.random.fold_in(key, 3), (rows, k), jnp.float32)
+    x = x.astype(jnp.bfloat16)
+    ids = (jax.random.randint(jax.random.fold_in(key, 4), (rows,), 0, groups) if routed
+           else None)
+    rw = jax.random.uniform(jax.random.fold_in(key, 5), (rows,)) if gated else None
+    kw = dict(w_up=w_up, row_weights=rw, swiglu_limit=LIMIT, simulate=True)
+    config = resolve_config(STREAM, rows, groups, fmt, (k,), True, (n,))
+    assert config.algorithm == "mma_fp8_stream"
+    same = support.GroupedGemmSm90Config(block_n=8, num_stages=config.num_stages,
+                                         algorithm="mma_fp8", split_k=config.split_k)
+    run = jax.jit(lambda x, c: grouped_gemm_cute(x, ids, w, config=c, **kw), static_argnums=1)
+    got, again, fp8 = run(x, config), run(x, config), run(x, same)
+    want = grouped_gemm_reference(x, ids, w, **kw)
+    assert np.all(np.isfinite(_f64(got)))
+    np.testing.assert_array_equal(_f64(got), _f64(again))
+    np.testing.assert_array_equal(_f64(got), _f64(fp8))
+    err = np.linalg.norm(_f64(got) - _f64(want)) / np.linalg.norm(_f64(want))
+    assert err < 1e-2, err
