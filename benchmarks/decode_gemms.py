@@ -28,7 +28,8 @@ calls it); ``--algorithms``: the config under each named decode algorithm (the p
 ``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
 pipeline stages x K split (those that fit shared memory and whole scale groups);
 ``--ablations``: the model's config with each of its kernel's benchmark-only ablations
-(outputs wrong by design: where the time goes). ``--budget``: seconds after which no further
+(outputs wrong by design: where the time goes); ``--base ALG``: the first row, the sweep
+and the ablations under decode algorithm ALG instead of the model's. ``--budget``: seconds after which no further
 variant is started (rows already timed are kept).
 """
 from __future__ import annotations
@@ -48,13 +49,13 @@ from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, KERNELS, MAX_SPLIT_K, SMEM_BYTES,
-                                                  warp_scale_group)
+                                                  stream_batch_blocks, warp_scale_group)
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, back_to_back_seconds, median_seconds
 
 SET_BYTES = 256 * 2 ** 20        # dense weights: copies until R x bytes reaches this
 MAX_SETS = 64
-STAGES = (3, 4, 6, 8)
+STAGES = (1, 2, 3, 4, 6, 8)
 SPLITS = (1, 2, 4, 8)
 
 
@@ -97,14 +98,15 @@ def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
 
 
 def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
-             algorithms: tuple[str, ...] = ()):
-    """``[(label, config)]``: the model's config first, then the config each of
-    ``algorithms`` gets as the policy's decode algorithm, the sweep and the ablations."""
+             algorithms: tuple[str, ...] = (), base: str = ""):
+    """``[(label, config)]``: the model's config first (``base``: the config under that
+    decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
+    decode algorithm, the sweep and the ablations (of the first config)."""
     def config(**policy):
         return resolve_config(GroupedGemmPolicy(**policy), rows, shape.groups, shape.fmt,
                               (shape.k,), shape.simulate, (shape.n,))
-    model = config()
-    out = [("model", model)]
+    model = config(**({"decode_algorithm": base} if base else {}))
+    out = [(f"policy {base}" if base else "model", model)]
     for algorithm in algorithms:
         other = config(decode_algorithm=algorithm)
         if other not in [c for _, c in out]:
@@ -117,7 +119,13 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
             for split in SPLITS:
                 if split > min(most, MAX_SPLIT_K):
                     continue
+                if stages < 2 and model.algorithm != "mma_fp8_stream":
+                    continue
                 config = dataclasses.replace(model, num_stages=stages, split_k=split)
+                if (model.algorithm == "mma_fp8_stream" and stages != model.num_stages
+                        and stream_batch_blocks(shape.fmt, shape.gated, stages)
+                        == stream_batch_blocks(shape.fmt, shape.gated, model.num_stages)):
+                    continue                  # the same kernel: its batch is capped
                 if config == model or config.smem_bytes(shape.fmt, shape.gated) > SMEM_BYTES:
                     continue
                 out.append((f"stages {stages}, split {split}", config))
@@ -188,6 +196,9 @@ def main(argv=None):
     p.add_argument("--ablations", action="store_true", help="the kernel's ablations")
     p.add_argument("--algorithms", default="",
                    help="comma-separated decode algorithms to time as the policy's choice")
+    p.add_argument("--base", default="",
+                   help="decode algorithm of the first row, the sweep and the ablations "
+                        "(default: the model's config)")
     p.add_argument("--budget", type=float, default=float("inf"),
                    help="seconds after which no new variant starts")
     p.add_argument("--out", default=None, help="markdown table path")
@@ -234,7 +245,7 @@ def main(argv=None):
             model_t = None
             for label, config in variants(
                     shape, tokens * shape.rows_per_token, args.sweep, args.ablations,
-                    tuple(a for a in args.algorithms.split(",") if a))[
+                    tuple(a for a in args.algorithms.split(",") if a), args.base)[
                         :1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "

@@ -127,9 +127,11 @@ class GroupedGemmSm90Config:
         if self.algorithm == "wgmma_fp8" and self.block_n > spec.max_block_n:
             raise ValueError(f"GroupedGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
                              f"{spec.max_block_n}, got {self.block_n}")
-        if self.num_stages < 2:
-            raise ValueError(f"GroupedGemmSm90Config: num_stages must be >= 2, got "
-                             f"{self.num_stages}")
+        # "mma_fp8_stream" reads num_stages as K blocks per batch of loads: 1 is a batch.
+        least = 1 if self.algorithm == "mma_fp8_stream" else 2
+        if self.num_stages < least:
+            raise ValueError(f"GroupedGemmSm90Config: num_stages must be >= {least} for "
+                             f"{self.algorithm!r}, got {self.num_stages}")
         if not 1 <= self.split_k <= MAX_SPLIT_K or (self.split_k > 1 and not spec.split_k):
             raise ValueError(f"GroupedGemmSm90Config: split_k must be in [1, {MAX_SPLIT_K}], "
                              f"and 1 unless the algorithm is one of {WARP_ALGORITHMS}; got "
