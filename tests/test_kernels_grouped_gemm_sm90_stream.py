@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from dsv4_jax import quant
 from dsv4_jax.ffi import grouped_gemm_reference
-from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, resolve_config
+from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, launch_support, resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
 
@@ -101,7 +101,7 @@ GPU_CASES = {
     "routed_w13_t1": ("fp4", 256, 2048, 4096, True, 6, True),
     "routed_w13_t8": ("fp4", 256, 2048, 4096, True, 48, True),
     "routed_w2_t8": ("fp4", 256, 4096, 2048, False, 48, True),
-    "small_fp8_routed": ("fp8", 8, 256, 640, True, 20, True),
+    "small_fp8_routed": ("fp8", 8, 256, 512, True, 20, True),
 }
 
 
@@ -120,6 +120,8 @@ def test_equals_mma_fp8_and_matches_the_reference(name):
     kw = dict(w_up=w_up, row_weights=rw, swiglu_limit=LIMIT, simulate=True)
     config = resolve_config(STREAM, rows, groups, fmt, (k,), True, (n,))
     assert config.algorithm == "mma_fp8_stream"
+    ok, why = launch_support(config, fmt, "bfloat16", rows, groups, [(gated, n, k)])
+    assert ok, why
     same = support.GroupedGemmSm90Config(block_n=8, num_stages=config.num_stages,
                                          algorithm="mma_fp8", split_k=config.split_k)
     run = jax.jit(lambda x, c: grouped_gemm_cute(x, ids, w, config=c, **kw), static_argnums=1)
