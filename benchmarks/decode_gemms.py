@@ -261,7 +261,7 @@ def main(argv=None):
                     print(f"{name} T={tokens} {label}: {config} built, not launched", flush=True)
                     continue
                 t, wall = times
-                model_t = t if label == "model" else model_t
+                model_t = t if model_t is None else model_t      # the first row's
                 row = (f"| {name} | {tokens} | {label} ({config.algorithm}, "
                        f"{config.num_stages} st, split {config.split_k}) | {t * 1e6:.1f} | "
                        f"{floor * 1e6:.1f} | {floor / t:.0%} | {t / model_t:.2f} | "
