@@ -281,11 +281,10 @@ STREAM_LANE_WORDS = 64
 
 def stream_batch_blocks(weight_format: str, gated: bool, num_stages: int) -> int:
     """"mma_fp8_stream": K blocks whose weight loads a warp issues together -- the config's
-    ``num_stages``, at most what half of ``STREAM_LANE_WORDS`` registers hold (two batches
-    are in registers: one loading, one multiplied; per lane and K block: 8 words per
-    matrix for FP4, 16 for FP8)."""
+    ``num_stages``, at most what ``STREAM_LANE_WORDS`` registers hold (per lane and K
+    block: 8 words per matrix for FP4, 16 for FP8)."""
     per_block = (2 if gated else 1) * (16 if weight_format == "fp8" else 8)
-    return max(1, min(num_stages, STREAM_LANE_WORDS // 2 // per_block))
+    return max(1, min(num_stages, STREAM_LANE_WORDS // per_block))
 
 
 def stream_token_unit(row, unit):

@@ -257,12 +257,11 @@ def mma_m16n8k16_bf16(a, b, c, *, loc=None, ip=None):
 
 @dsl_user_op
 def load_global_words(addr: Int64, count: cutlass.Constexpr, *, keep_in_l1: bool = False,
-                      ordered: bool = False, loc=None, ip=None):
+                      loc=None, ip=None):
     """``count`` (1, 2 or 4) 32-bit words from a read-only global address aligned to their
     size, straight into registers (``ld.global.nc``): ``keep_in_l1`` False bypasses L1
     (bytes no other instruction of the SM reads), True keeps the line for the neighbouring
-    loads that read the rest of its sectors. ``ordered``: the compiler keeps the load where
-    the program issues it (a prefetch must not sink to its first use)."""
+    loads that read the rest of its sectors."""
     hint = "" if keep_in_l1 else ".L1::no_allocate"
     vec = {1: "", 2: ".v2", 4: ".v4"}[count]
     outs = ", ".join(f"${i}" for i in range(count))
@@ -272,7 +271,7 @@ def load_global_words(addr: Int64, count: cutlass.Constexpr, *, keep_in_l1: bool
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * count) if count > 1 else T.i32(),
         [Int64(addr).ir_value(loc=loc, ip=ip)], text, "=r," * count + "l",
-        has_side_effects=ordered, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
     if count == 1:
         return (Int32(res),)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))

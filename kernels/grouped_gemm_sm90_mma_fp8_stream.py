@@ -85,39 +85,37 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
             w_row = expert * mWa.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
             acc.fill(0.0)
-            # Two register buffers of a batch each: the loads of one batch are in flight
-            # while the other's MMAs run.
-            words = cute.make_rmem_tensor((2 * self.batch * self.kb_words,), Int32)
-            scales = cute.make_rmem_tensor((2 * self.batch * self.kb_scales,), Int32)
+            words = cute.make_rmem_tensor((self.batch * self.kb_words,), Int32)
+            scales = cute.make_rmem_tensor((self.batch * self.kb_scales,), Int32)
             kb0 = Int32(0)
             kb1 = mX.shape[1] // BLOCK_K
             if const_expr(self.split_k > 1):
                 per = split_k_blocks(kb1, self.split_k, self.scale_group)
                 kb0 = split * per
                 kb1 = kb1 if kb1 < kb0 + per else kb0 + per
-            weights = (mWa, mSa, mWb, mSb, expert, m_tile, w_row, lane)
-            step = 2 * self.batch
-            reload = not self.leaves_out("no_load")     # ablation: the first batches only
             for c0 in cutlass.range(kb0, kb1, STREAM_CHUNK_BLOCKS, unroll=1):
                 c1 = kb1 if kb1 < c0 + STREAM_CHUNK_BLOCKS else c0 + STREAM_CHUNK_BLOCKS
-                if c0 > kb0:
-                    cute.arch.barrier()          # every warp is done with the last chunk
-                if reload or c0 == kb0:
-                    self.load_batch(words, scales, 0, c0, c1, *weights)
-                self.stage_tokens(mX, mXs, row0, rows, c0, c1, base, tidx)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                for kb in cutlass.range(c0, c1, step, unroll=1):
-                    if kb + self.batch < c1:
-                        if reload or kb == kb0:
-                            self.load_batch(words, scales, 1, kb + self.batch, c1, *weights)
-                    self.compute_batch(acc, words, scales, 0, kb, c0, c1, base, lane)
-                    if kb + step < c1:
-                        if const_expr(reload):
-                            self.load_batch(words, scales, 0, kb + step, c1, *weights)
-                    self.compute_batch(acc, words, scales, 1, kb + self.batch, c0, c1, base,
-                                       lane)
+                for kb in cutlass.range(c0, c1, self.batch, unroll=1):
+                    if const_expr(self.leaves_out("no_load")):
+                        if kb == kb0:
+                            self.load_batch(words, scales, mWa, mSa, mWb, mSb, expert,
+                                            m_tile, w_row, kb, c1, lane)
+                    else:
+                        self.load_batch(words, scales, mWa, mSa, mWb, mSb, expert, m_tile,
+                                        w_row, kb, c1, lane)
+                    if kb == c0:
+                        # The chunk's tokens (after every warp is done with the last one's).
+                        if c0 > kb0:
+                            cute.arch.barrier()
+                        self.stage_tokens(mX, mXs, row0, rows, c0, c1, base, tidx)
+                        cute.arch.cp_async_commit_group()
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.barrier()
+                    for u in cutlass.range_constexpr(self.batch):
+                        if kb + u < c1:
+                            self.compute_block(acc, words, scales, u,
+                                               base + (kb + u - c0) * STREAM_KBLOCK_BYTES,
+                                               lane)
             self.finish(acc)
             self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc, split)
 
@@ -148,30 +146,18 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
                            + TOKEN_SCALES_OFFSET + r * 4)
 
     @cute.jit
-    def compute_batch(self, acc: cute.Tensor, words: cute.Tensor, scales: cute.Tensor,
-                      buf: cutlass.Constexpr, kb: Int32, c0: Int32, c1: Int32, base: Int32,
-                      lane: Int32):
-        """The MMAs of register buffer ``buf``: K blocks kb .. kb + batch - 1 below c1."""
-        for u in cutlass.range_constexpr(self.batch):
-            if kb + u < c1:
-                self.compute_block(acc, words, scales, buf * self.batch + u,
-                                   base + (kb + u - c0) * STREAM_KBLOCK_BYTES, lane)
-
-    @cute.jit
-    def load_batch(self, words: cute.Tensor, scales: cute.Tensor, buf: cutlass.Constexpr,
-                   kb: Int32, c1: Int32, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-                   mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32, lane: Int32):
-        """This lane's weight words and scale words of K blocks kb .. kb + batch - 1 into
-        register buffer ``buf`` (past the chunk: its last K block again, never multiplied).
-        The loads keep their place in the program (before the MMAs of the other buffer)."""
+    def load_batch(self, words: cute.Tensor, scales: cute.Tensor, mWa: cute.Tensor,
+                   mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
+                   m_tile: Int32, w_row: Int32, kb: Int32, c1: Int32, lane: Int32):
+        """This lane's weight words and scale words of K blocks kb .. kb + batch - 1 (past
+        the chunk: the chunk's last K block again, never multiplied)."""
         g, t = lane // 4, lane % 4
         n_out = mWa.shape[1]
         num_k = mSa.shape[2] if const_expr(self.weight_format == "fp8") else (
             mSa.shape[2] * 32 // BLOCK_K)
         row_bytes = num_k * self.row_bytes
-        for v in cutlass.range_constexpr(self.batch):
-            u = buf * self.batch + v
-            k = kb + v
+        for u in cutlass.range_constexpr(self.batch):
+            k = kb + u
             if k >= c1:
                 k = c1 - 1
             for mat in cutlass.range_constexpr(self.mats):
@@ -184,28 +170,28 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
                         at = (u * self.kb_words
                               + ((mat * 2 + half) * STEPS + i) * self.step_words)
                         if const_expr(self.weight_format == "fp8"):
-                            got = load_global_words(first + 32 * i + 8 * t, 2, ordered=True)
+                            got = load_global_words(first + 32 * i + 8 * t, 2)
                         else:
                             got = load_global_words(first + 16 * i + 4 * t, 1,
-                                                    keep_in_l1=True, ordered=True)
+                                                    keep_in_l1=True)
                         for j in cutlass.range_constexpr(self.step_words):
                             words[at + j] = got[j]
                     if const_expr(self.weight_format == "fp4"):
                         scales[u * self.kb_scales + mat * 2 + half] = load_global_words(
                             s_base + row * (num_k * 4) + (k * 4).to(Int64), 1,
-                            keep_in_l1=True, ordered=True)[0]
+                            keep_in_l1=True)[0]
                 if const_expr(self.weight_format == "fp8"):
                     # The 128 x 128 block's scale word holding K block k (byte k % 4).
                     blk_row = (expert * (n_out // 128) + m_tile // 2).to(Int64)
                     word = load_global_words(s_base + blk_row * num_k + (k - k % 4).to(Int64),
-                                             1, keep_in_l1=True, ordered=True)[0]
+                                             1, keep_in_l1=True)[0]
                     scales[u * self.kb_scales + mat] = (word >> (8 * (k % 4))) & 0xFF
 
     @cute.jit
     def compute_block(self, acc: cute.Tensor, words: cute.Tensor, scales: cute.Tensor,
                       u: cutlass.Constexpr, tokens: Int32, lane: Int32):
-        """The MMAs of the K block in register slot ``u`` (its tokens at ``tokens``), scaled
-        into ``acc`` exactly as "mma_fp8" does."""
+        """The MMAs of batch entry ``u`` (its K block's tokens at ``tokens``), scaled into
+        ``acc`` exactly as "mma_fp8" does."""
         g, t = lane // 4, lane % 4
         sx = _load_f32x2(tokens + TOKEN_SCALES_OFFSET + 8 * t)
         block = cute.make_rmem_tensor((4 * self.mats,), Float32)
