@@ -169,28 +169,45 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                             stage + q * self.row_bytes
                             + fp8_warp_unit("fp8", q, 2 * i + t // 2) * 16 + 8 * (t % 2)))
                 a = (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
-                if const_expr(self.leaves_out("no_mma")):
-                    # Keeps the operands live at one integer op + one convert per value.
-                    for j in cutlass.range_constexpr(4):
-                        block[4 * mat + j] = block[4 * mat + j] + (a[j] ^ b[j % 2]).to(Float32)
-                elif const_expr(self.weight_format == "fp4"):
-                    d = mma_m16n8k32_e4m3(a, b, (Float32(0.0),) * 4)
-                    # Scale block i of rows g (d0, d1) and g + 8 (d2, d3).
-                    sw = [e8m0_f32((scale_words[mat][half] >> (8 * i)) & 0xFF)
-                          for half in range(2)]
-                    for j in cutlass.range_constexpr(4):
-                        block[4 * mat + j] = block[4 * mat + j] + sw[j // 2] * d[j]
-                else:
-                    d = mma_m16n8k32_e4m3(a, b, tuple(block[4 * mat + j] for j in range(4)))
-                    for j in cutlass.range_constexpr(4):
-                        block[4 * mat + j] = d[j]
-        for mat in cutlass.range_constexpr(self.mats):
+                self.mma_step(block, mat, i, a, b,
+                              [(scale_words[mat][half] >> (8 * i)) & 0xFF for half in range(2)]
+                              if self.weight_format == "fp4" else [])
+        self.add_block(acc, block, sx,
+                       [(scale_words[mat][0] >> (8 * in_group)) & 0xFF
+                        for mat in range(self.mats)]
+                       if self.weight_format == "fp8" else [])
+
+    def mma_step(self, block: cute.Tensor, mat: cutlass.Constexpr, i: cutlass.Constexpr, a, b,
+                 fp4_scales):
+        """MMA step ``i`` of matrix ``mat`` into the K block's sums ``block``: FP8 chained in
+        the tensor core; FP4 each step's result times its rows' E8M0 scale bytes
+        ``fp4_scales`` (rows g, g + 8) for scale block ``i``. Plain Python: unrolled where
+        the kernel calls it."""
+        if const_expr(self.leaves_out("no_mma")):
+            # Keeps the operands live at one integer op + one convert per value.
+            for j in range(4):
+                block[4 * mat + j] = block[4 * mat + j] + (a[j] ^ b[j % 2]).to(Float32)
+        elif const_expr(self.weight_format == "fp4"):
+            d = mma_m16n8k32_e4m3(a, b, (Float32(0.0),) * 4)
+            # Scale block i of rows g (d0, d1) and g + 8 (d2, d3).
+            sw = [e8m0_f32(fp4_scales[half]) for half in range(2)]
+            for j in range(4):
+                block[4 * mat + j] = block[4 * mat + j] + sw[j // 2] * d[j]
+        else:
+            d = mma_m16n8k32_e4m3(a, b, tuple(block[4 * mat + j] for j in range(4)))
+            for j in range(4):
+                block[4 * mat + j] = d[j]
+
+    def add_block(self, acc: cute.Tensor, block: cute.Tensor, sx, fp8_scales):
+        """``acc += block`` x the tokens' scales ``sx`` (tokens 2t, 2t + 1), FP8 also x the
+        128 x 128 block's E8M0 scale byte of each matrix (``fp8_scales``)."""
+        for mat in range(self.mats):
             if const_expr(self.weight_format == "fp4"):
                 mult = sx
             else:
-                sw = e8m0_f32((scale_words[mat][0] >> (8 * in_group)) & 0xFF)
+                sw = e8m0_f32(fp8_scales[mat])
                 mult = [sw * sx[j] for j in range(2)]
-            for j in cutlass.range_constexpr(4):
+            for j in range(4):
                 acc[4 * mat + j] = acc[4 * mat + j] + mult[j % 2] * block[4 * mat + j]
 
     @cute.jit

@@ -43,9 +43,9 @@ from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, BLOCK_M, STREAM_CHUNK_BLOCKS, STREAM_KBLOCK_BYTES,
                                   WARP_ROWS, WARP_TOKENS, GroupedGemmSm90Config,
-                                  split_k_blocks, stream_batch_blocks, stream_token_unit)
-from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
-                                        load_global_words, mma_m16n8k32_e4m3)
+                                  stream_batch_blocks, stream_token_unit)
+from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, fp4x8_to_e4m3x8,
+                                        load_global_words)
 from .grouped_gemm_sm90_mma_fp8 import GroupedGemmMmaFp8Sm90, _load_f32x2, _load_words2
 from .grouped_gemm_sm90_mma_sync import NUM_THREADS, STEPS
 
@@ -87,12 +87,7 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
             acc.fill(0.0)
             words = cute.make_rmem_tensor((self.batch * self.kb_words,), Int32)
             scales = cute.make_rmem_tensor((self.batch * self.kb_scales,), Int32)
-            kb0 = Int32(0)
-            kb1 = mX.shape[1] // BLOCK_K
-            if const_expr(self.split_k > 1):
-                per = split_k_blocks(kb1, self.split_k, self.scale_group)
-                kb0 = split * per
-                kb1 = kb1 if kb1 < kb0 + per else kb0 + per
+            kb0, kb1 = self.k_blocks(mX.shape[1] // BLOCK_K, split)
             for c0 in cutlass.range(kb0, kb1, STREAM_CHUNK_BLOCKS, unroll=1):
                 c1 = kb1 if kb1 < c0 + STREAM_CHUNK_BLOCKS else c0 + STREAM_CHUNK_BLOCKS
                 for kb in cutlass.range(c0, c1, self.batch, unroll=1):
@@ -212,25 +207,9 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
                     else:
                         rows_ab.append((words[at], words[at + 1]))
                 a = (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
-                if const_expr(self.leaves_out("no_mma")):
-                    for j in cutlass.range_constexpr(4):
-                        block[4 * mat + j] = block[4 * mat + j] + (a[j] ^ b[j % 2]).to(Float32)
-                elif const_expr(self.weight_format == "fp4"):
-                    d = mma_m16n8k32_e4m3(a, b, (Float32(0.0),) * 4)
-                    sw = [e8m0_f32((scales[u * self.kb_scales + mat * 2 + half] >> (8 * i))
-                                   & 0xFF) for half in range(2)]
-                    for j in cutlass.range_constexpr(4):
-                        block[4 * mat + j] = block[4 * mat + j] + sw[j // 2] * d[j]
-                else:
-                    d = mma_m16n8k32_e4m3(a, b, tuple(block[4 * mat + j] for j in range(4)))
-                    for j in cutlass.range_constexpr(4):
-                        block[4 * mat + j] = d[j]
-        for mat in cutlass.range_constexpr(self.mats):
-            if const_expr(self.weight_format == "fp4"):
-                mult = [sx[j] for j in range(2)]
-            else:
-                sw = e8m0_f32(scales[u * self.kb_scales + mat])
-                mult = [sw * sx[j] for j in range(2)]
-            for j in cutlass.range_constexpr(4):
-                acc[4 * mat + j] = acc[4 * mat + j] + mult[j % 2] * block[4 * mat + j]
-
+                self.mma_step(block, mat, i, a, b,
+                              [(scales[u * self.kb_scales + mat * 2 + half] >> (8 * i)) & 0xFF
+                               for half in range(2)] if self.weight_format == "fp4" else [])
+        self.add_block(acc, block, sx, [scales[u * self.kb_scales + mat]
+                                        for mat in range(self.mats)]
+                       if self.weight_format == "fp8" else [])

@@ -138,14 +138,7 @@ class GroupedGemmMmaSyncSm90:
             w_row = expert * mWa.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
             acc.fill(0.0)
-            # This CTA's K blocks [kb0, kb1): all of them, or its split's (starting a scale
-            # group: the ring and scale-buffer positions are kb's own, not relative).
-            kb0 = Int32(0)
-            kb1 = mX.shape[1] // BLOCK_K
-            if const_expr(self.split_k > 1):
-                per = split_k_blocks(kb1, self.split_k, self.scale_group)
-                kb0 = split * per
-                kb1 = kb1 if kb1 < kb0 + per else kb0 + per
+            kb0, kb1 = self.k_blocks(mX.shape[1] // BLOCK_K, split)
             for s in cutlass.range_constexpr(self.num_stages - 1):
                 if kb0 + s < kb1:
                     self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
@@ -163,6 +156,18 @@ class GroupedGemmMmaSyncSm90:
             cute.arch.cp_async_wait_group(0)
             self.finish(acc)
             self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc, split)
+
+    @cute.jit
+    def k_blocks(self, num_k: Int32, split: Int32):
+        """This CTA's K blocks ``[kb0, kb1)``: all of them, or its split's (starting a scale
+        group: ring and scale-buffer positions are kb's own, not relative)."""
+        kb0 = Int32(0)
+        kb1 = num_k
+        if const_expr(self.split_k > 1):
+            per = split_k_blocks(num_k, self.split_k, self.scale_group)
+            kb0 = split * per
+            kb1 = num_k if num_k < kb0 + per else kb0 + per
+        return kb0, kb1
 
     def token_stage(self, base, kb):
         return base + (kb % self.num_stages) * WARP_TOKEN_STAGE_BYTES
