@@ -14,6 +14,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .grouped_gemm_config import BF16_2POW120, FP4_BF16_HI, FP4_BF16_LO
@@ -276,6 +277,14 @@ def load_global_words(addr: Int64, count: cutlass.Constexpr, *, keep_in_l1: bool
         return (Int32(res),)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
                  for i in range(count))
+
+
+def cp_async_atom(nbytes: int, bypass_l1: bool = False) -> cute.CopyAtom:
+    """A cp.async copy atom of ``nbytes`` raw bytes; ``bypass_l1`` (16 bytes only): ``.cg``,
+    for bytes the SM reads once (weights) or shares through shared memory (token rows)."""
+    op = (cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL) if bypass_l1
+          else cpasync.CopyG2SOp())
+    return cute.make_copy_atom(op, cutlass.Uint8, num_bits_per_copy=8 * nbytes)
 
 
 @cute.jit

@@ -40,13 +40,12 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, GroupedGemmSm90Config,
                        fp8_warp_smem_bytes, fp8_warp_unit, warp_copy_unit)
-from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, e8m0_f32, fp4x8_to_e4m3x8,
-                               mma_m16n8k32_e4m3)
+from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, cp_async_atom, e8m0_f32,
+                               fp4x8_to_e4m3x8, mma_m16n8k32_e4m3)
 from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
 
 FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
@@ -91,10 +90,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
         num_k = k_in // BLOCK_K
-        copy_16 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
-            num_bits_per_copy=128)
-        word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
+        copy_16, word_4 = cp_async_atom(16, bypass_l1=True), cp_async_atom(4)
         # Ablations: weights or tokens copied only for the first stages (stale bytes are
         # still multiplied).
         first_stages = kb < self.num_stages

@@ -39,12 +39,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass.cute.nvgpu import cpasync
 
-from .grouped_gemm_config import (BLOCK_K, BLOCK_M, STREAM_CHUNK_BLOCKS, STREAM_KBLOCK_BYTES,
-                                  WARP_ROWS, WARP_TOKENS, GroupedGemmSm90Config,
-                                  stream_batch_blocks, stream_token_unit)
-from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, fp4x8_to_e4m3x8,
+from .grouped_gemm_config import (BLOCK_K, STREAM_CHUNK_BLOCKS, STREAM_KBLOCK_BYTES,
+                                  WARP_TOKENS, GroupedGemmSm90Config, stream_batch_blocks,
+                                  stream_token_unit)
+from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, cp_async_atom, fp4x8_to_e4m3x8,
                                         load_global_words)
 from .grouped_gemm_sm90_mma_fp8 import GroupedGemmMmaFp8Sm90, _load_f32x2, _load_words2
 from .grouped_gemm_sm90_mma_sync import NUM_THREADS, STEPS
@@ -67,52 +66,39 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
         self.smem_bytes = STREAM_CHUNK_BLOCKS * STREAM_KBLOCK_BYTES
 
     # ---------------------------------------------------------------- device
-    @cute.kernel
-    def kernel(self, mX: cute.Tensor, mTileExpert: cute.Tensor, mTileRow0: cute.Tensor,
-               mTileRows: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
-               mSb: cute.Tensor, mRw: cute.Tensor, mXs: cute.Tensor, mOut: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        m_tile, slot, split = cute.arch.block_idx()
-        expert = mTileExpert[slot]
-        if expert >= 0:
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(self.shared_storage)
-            warp = cute.arch.make_warp_uniform(tidx // 32)
-            lane = tidx % 32
-            base = storage.ring.data_ptr().toint()
-            row0 = mTileRow0[slot]
-            rows = mTileRows[slot]
-            w_row = expert * mWa.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
-            acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
-            acc.fill(0.0)
-            words = cute.make_rmem_tensor((self.batch * self.kb_words,), Int32)
-            scales = cute.make_rmem_tensor((self.batch * self.kb_scales,), Int32)
-            kb0, kb1 = self.k_blocks(mX.shape[1] // BLOCK_K, split)
-            for c0 in cutlass.range(kb0, kb1, STREAM_CHUNK_BLOCKS, unroll=1):
-                c1 = kb1 if kb1 < c0 + STREAM_CHUNK_BLOCKS else c0 + STREAM_CHUNK_BLOCKS
-                for kb in cutlass.range(c0, c1, self.batch, unroll=1):
-                    if const_expr(self.leaves_out("no_load")):
-                        if kb == kb0:
-                            self.load_batch(words, scales, mWa, mSa, mWb, mSb, expert,
-                                            m_tile, w_row, kb, c1, lane)
-                    else:
-                        self.load_batch(words, scales, mWa, mSa, mWb, mSb, expert, m_tile,
-                                        w_row, kb, c1, lane)
-                    if kb == c0:
-                        # The chunk's tokens (after every warp is done with the last one's).
-                        if c0 > kb0:
-                            cute.arch.barrier()
-                        self.stage_tokens(mX, mXs, row0, rows, c0, c1, base, tidx)
-                        cute.arch.cp_async_commit_group()
-                        cute.arch.cp_async_wait_group(0)
+    @cute.jit
+    def k_loop(self, acc: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
+               mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
+               m_tile: Int32, w_row: Int32, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
+               base: Int32, warp: Int32, tidx: Int32):
+        """K blocks [kb0, kb1) into ``acc`` (the kernel is "mma_sync"'s with this loop):
+        weights in register batches, tokens staged per chunk."""
+        lane = tidx % 32
+        words = cute.make_rmem_tensor((self.batch * self.kb_words,), Int32)
+        scales = cute.make_rmem_tensor((self.batch * self.kb_scales,), Int32)
+        for c0 in cutlass.range(kb0, kb1, STREAM_CHUNK_BLOCKS, unroll=1):
+            c1 = kb1 if kb1 < c0 + STREAM_CHUNK_BLOCKS else c0 + STREAM_CHUNK_BLOCKS
+            for kb in cutlass.range(c0, c1, self.batch, unroll=1):
+                if const_expr(self.leaves_out("no_load")):
+                    if kb == kb0:
+                        self.load_batch(words, scales, mWa, mSa, mWb, mSb, expert,
+                                        m_tile, w_row, kb, c1, lane)
+                else:
+                    self.load_batch(words, scales, mWa, mSa, mWb, mSb, expert, m_tile,
+                                    w_row, kb, c1, lane)
+                if kb == c0:
+                    # The chunk's tokens (after every warp is done with the last one's).
+                    if c0 > kb0:
                         cute.arch.barrier()
-                    for u in cutlass.range_constexpr(self.batch):
-                        if kb + u < c1:
-                            self.compute_block(acc, words, scales, u,
-                                               base + (kb + u - c0) * STREAM_KBLOCK_BYTES,
-                                               lane)
-            self.finish(acc)
-            self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc, split)
+                    self.stage_tokens(mX, mXs, row0, rows, c0, c1, base, tidx)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                for u in cutlass.range_constexpr(self.batch):
+                    if kb + u < c1:
+                        self.compute_block(acc, words, scales, u,
+                                           base + (kb + u - c0) * STREAM_KBLOCK_BYTES,
+                                           lane)
 
     @cute.jit
     def stage_tokens(self, mX: cute.Tensor, mXs: cute.Tensor, row0: Int32, rows: Int32,
@@ -121,10 +107,7 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
         16-byte units (thread i: units i, i + 128, ...), then the f32 scales."""
         k_in = mX.shape[1]
         num_k = k_in // BLOCK_K
-        copy_16 = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
-            num_bits_per_copy=128)
-        word_4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
+        copy_16, word_4 = cp_async_atom(16, bypass_l1=True), cp_async_atom(4)
         units = (c1 - c0) * WARP_TOKENS * (BLOCK_K // 16)
         for i in cutlass.range(tidx, units, NUM_THREADS, unroll=1):
             kbl, r, unit = i // 64, (i // 8) % 8, i % 8

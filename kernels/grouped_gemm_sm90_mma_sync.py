@@ -139,23 +139,33 @@ class GroupedGemmMmaSyncSm90:
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
             acc.fill(0.0)
             kb0, kb1 = self.k_blocks(mX.shape[1] // BLOCK_K, split)
-            for s in cutlass.range_constexpr(self.num_stages - 1):
-                if kb0 + s < kb1:
-                    self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                               rows, kb0 + s, base, warp, tidx)
-                cute.arch.cp_async_commit_group()
-            for kb in cutlass.range(kb0, kb1, unroll=1):
-                cute.arch.cp_async_wait_group(self.num_stages - 2)
-                cute.arch.barrier()
-                ahead = kb + self.num_stages - 1
-                if ahead < kb1:
-                    self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                               rows, ahead, base, warp, tidx)
-                cute.arch.cp_async_commit_group()
-                self.compute(acc, base, kb, warp, lane)
-            cute.arch.cp_async_wait_group(0)
+            self.k_loop(acc, mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows,
+                        kb0, kb1, base, warp, tidx)
             self.finish(acc)
             self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc, split)
+
+    @cute.jit
+    def k_loop(self, acc: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
+               mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
+               m_tile: Int32, w_row: Int32, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
+               base: Int32, warp: Int32, tidx: Int32):
+        """K blocks [kb0, kb1) into ``acc``: the cp.async ring, one CTA barrier per block."""
+        lane = tidx % 32
+        for s in cutlass.range_constexpr(self.num_stages - 1):
+            if kb0 + s < kb1:
+                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                           rows, kb0 + s, base, warp, tidx)
+            cute.arch.cp_async_commit_group()
+        for kb in cutlass.range(kb0, kb1, unroll=1):
+            cute.arch.cp_async_wait_group(self.num_stages - 2)
+            cute.arch.barrier()
+            ahead = kb + self.num_stages - 1
+            if ahead < kb1:
+                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                           rows, ahead, base, warp, tidx)
+            cute.arch.cp_async_commit_group()
+            self.compute(acc, base, kb, warp, lane)
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def k_blocks(self, num_k: Int32, split: Int32):
