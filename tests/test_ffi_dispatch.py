@@ -119,7 +119,7 @@ def test_kernel_variables_parse_into_the_grouped_gemm_policy():
     (lambda: KernelPolicy(ops=3), TypeError, "KernelPolicy: ops must map op names"),
     (lambda: GroupedGemmPolicy(decode_algorithm="simt"), ValueError,
      r"GroupedGemmPolicy: decode_algorithm must be one of \('wgmma', 'mma_sync', 'mma_fp8', "
-     r"'wgmma_fp8'\), got 'simt'"),
+     r"'mma_fp8_stream', 'wgmma_fp8'\), got 'simt'"),
     (lambda: GroupedGemmPolicy(prefill_algorithm="mma_fp8"), ValueError,
      r"prefill_algorithm must be one of \('wgmma', 'wgmma_fp8'\), got 'mma_fp8'"),
     (lambda: GroupedGemmPolicy(split_k=0), ValueError,
