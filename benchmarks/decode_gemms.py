@@ -29,8 +29,8 @@ calls it); ``--algorithms``: the config under each named decode algorithm (the p
 pipeline stages x K split (those that fit shared memory and whole scale groups);
 ``--ablations``: the model's config with each of its kernel's benchmark-only ablations
 (outputs wrong by design: where the time goes); ``--base ALG``: the first row, the sweep
-and the ablations under decode algorithm ALG instead of the model's. ``--budget``: seconds after which no further
-variant is started (rows already timed are kept).
+and the ablations under decode algorithm ALG instead of the model's. ``--budget``: seconds
+after which no further variant is started (rows already timed are kept).
 """
 from __future__ import annotations
 

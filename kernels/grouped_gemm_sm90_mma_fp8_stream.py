@@ -3,11 +3,12 @@
 
 The MMAs, lane mapping and arithmetic of ``grouped_gemm_sm90_mma_fp8`` ("mma_fp8": the same
 ``mma.sync`` e4m3 operands in the same order, so the same outputs bit for bit) without its
-shared-memory weight ring. Why: at decode every CTA of "mma_fp8" waits once per K block on
-its cp.async group and a CTA barrier before a dependent chain of shared-memory reads, so a
-launch is bound by that latency, not by HBM (docs/performance.md, "Decode GEMMs"). Here
-each warp loads its own weight bytes with ordinary loads into registers, a batch of K
-blocks at a time, and never waits on another warp while it streams.
+shared-memory weight ring and its CTA barrier per K block: each warp loads its own weight
+bytes with ordinary loads into registers, a batch of K blocks at a time, and never waits on
+another warp while it streams. It tested whether that barrier bounds the decode launches;
+measured, it mostly does not (only wq_b at T = 1 got faster: docs/performance.md, "Decode
+GEMMs with the weights in registers"), so it runs on request only. Its once-per-CTA token
+staging is where a fused activation quantisation would go.
 
 Dataflow (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token rows; grid
 and K split as "mma_fp8"):
@@ -22,9 +23,9 @@ and K split as "mma_fp8"):
    of the batch, exactly the bytes "mma_fp8" reads from its stages -- FP8: 8 bytes at
    32 i + 8 t for MMA step i (each load instruction reads whole 32-byte sectors of 8 rows,
    L1 bypassed); FP4: the word t of unit i (scale block i), kept in L1 for the neighbouring
-   loads of the same sectors -- plus the E8M0 scales (FP8: the 128 x 128 block's byte, FP4: the
-   row's 4 scale bytes of the K block in one word). A batch is ``stream_batch_blocks`` K blocks
-   (the loads of a batch are in flight together); its compute follows.
+   loads of the same sectors -- plus the E8M0 scales (FP8: the 128 x 128 block's byte,
+   FP4: the row's 4 scale bytes of the K block in one word). A batch is
+   ``stream_batch_blocks`` K blocks (its loads are in flight together); its MMAs follow.
 3. Per K block, as "mma_fp8": 4 MMA steps of K = 32 (FP8: chained in the tensor core, the
    block sum scaled by the block scale times the token scales; FP4: each step's result times
    its rows' scale, the K block's sum times the token scales, 2^6 restored at the end).
