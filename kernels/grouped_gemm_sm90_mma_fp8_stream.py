@@ -62,7 +62,8 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
         # Per lane, row half and K block: FP8 two words per MMA step, FP4 one.
         self.step_words = 2 if weight_format == "fp8" else 1
         self.kb_words = 2 * self.mats * STEPS * self.step_words
-        # FP8: one scale word per matrix; FP4: one per matrix and row half.
+        # Scales per K block: FP8 the block scale byte per matrix; FP4 one word (4 scale
+        # bytes) per matrix and row half.
         self.kb_scales = self.mats if weight_format == "fp8" else 2 * self.mats
         self.smem_bytes = STREAM_CHUNK_BLOCKS * STREAM_KBLOCK_BYTES
 
