@@ -119,7 +119,7 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
             for split in SPLITS:
                 if split > min(most, MAX_SPLIT_K):
                     continue
-                if stages < 2 and model.algorithm != "mma_fp8_stream":
+                if stages < model.spec.min_stages:
                     continue
                 config = dataclasses.replace(model, num_stages=stages, split_k=split)
                 if (model.algorithm == "mma_fp8_stream" and stages != model.num_stages

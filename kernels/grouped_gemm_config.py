@@ -59,6 +59,8 @@ class KernelSpec:
     split_k: offers the K split (grid z, f32 partial sums).
     ablations: benchmark-only stages it can leave out (``GroupedGemmSm90Config.ablation``,
       several joined by "+"); outputs are then wrong by design.
+    min_stages: the least ``num_stages`` (a ring needs two stages; "mma_fp8_stream" reads it
+      as K blocks per batch of register loads, so one will do).
     """
     algorithm: str
     module: str
@@ -69,6 +71,7 @@ class KernelSpec:
     max_block_n: int
     split_k: bool
     ablations: tuple[str, ...]
+    min_stages: int = 2
 
 
 KERNELS = {spec.algorithm: spec for spec in (
@@ -83,7 +86,7 @@ KERNELS = {spec.algorithm: spec for spec in (
                ("no_load", "no_token_load", "no_dequant", "no_mma")),
     KernelSpec("mma_fp8_stream", "grouped_gemm_sm90_mma_fp8_stream",
                "GroupedGemmMmaFp8StreamSm90", "decode", True, ("fp4", "fp8"), WARP_TOKENS, True,
-               ("no_load", "no_mma")),
+               ("no_load", "no_mma"), min_stages=1),
     KernelSpec("wgmma_fp8", "grouped_gemm_sm90_wgmma_fp8", "GroupedGemmWgmmaFp8Sm90", "any",
                True, ("fp4", "fp8"), FP8_WGMMA_MAX_BLOCK_N, False, ("no_dequant", "no_mma")),
 )}
@@ -127,11 +130,9 @@ class GroupedGemmSm90Config:
         if self.algorithm == "wgmma_fp8" and self.block_n > spec.max_block_n:
             raise ValueError(f"GroupedGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
                              f"{spec.max_block_n}, got {self.block_n}")
-        # "mma_fp8_stream" reads num_stages as K blocks per batch of loads: 1 is a batch.
-        least = 1 if self.algorithm == "mma_fp8_stream" else 2
-        if self.num_stages < least:
-            raise ValueError(f"GroupedGemmSm90Config: num_stages must be >= {least} for "
-                             f"{self.algorithm!r}, got {self.num_stages}")
+        if self.num_stages < spec.min_stages:
+            raise ValueError(f"GroupedGemmSm90Config: num_stages must be >= "
+                             f"{spec.min_stages} for {self.algorithm!r}, got {self.num_stages}")
         if not 1 <= self.split_k <= MAX_SPLIT_K or (self.split_k > 1 and not spec.split_k):
             raise ValueError(f"GroupedGemmSm90Config: split_k must be in [1, {MAX_SPLIT_K}], "
                              f"and 1 unless the algorithm is one of {WARP_ALGORITHMS}; got "
@@ -434,7 +435,8 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         ctas = min(n_outs) // BLOCK_M * num_groups * -(-num_rows // num_groups // block)
         decode = ctas < NUM_SMS
     fp8_ok = weight_format != "bf16" and fp8_activations
-    if decode_algorithm in ("mma_fp8", "mma_fp8_stream") and not fp8_ok:
+    if decode_algorithm in FP8_ACTIVATION_ALGORITHMS and decode_algorithm in WARP_ALGORITHMS \
+            and not fp8_ok:
         decode_algorithm = "mma_sync"
     if not fp8_ok or any((k // BLOCK_K) % 2 for k in k_ins):
         decode_algorithm = "wgmma" if decode_algorithm == "wgmma_fp8" else decode_algorithm

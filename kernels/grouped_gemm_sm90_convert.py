@@ -265,10 +265,8 @@ def load_global_words(addr: Int64, count: cutlass.Constexpr, *, keep_in_l1: bool
     loads that read the rest of its sectors."""
     hint = "" if keep_in_l1 else ".L1::no_allocate"
     vec = {1: "", 2: ".v2", 4: ".v4"}[count]
-    outs = ", ".join(f"${i}" for i in range(count))
-    text = f"ld.global.nc{hint}{vec}.b32 {{{outs}}}, [${count}];"
-    if count == 1:
-        text = f"ld.global.nc{hint}.b32 $0, [$1];"
+    outs = "$0" if count == 1 else "{" + ", ".join(f"${i}" for i in range(count)) + "}"
+    text = f"ld.global.nc{hint}{vec}.b32 {outs}, [${count}];"
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * count) if count > 1 else T.i32(),
         [Int64(addr).ir_value(loc=loc, ip=ip)], text, "=r," * count + "l",
