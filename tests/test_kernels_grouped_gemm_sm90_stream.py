@@ -10,8 +10,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax import quant
-from dsv4_jax.ffi import grouped_gemm_reference
+from dsv4_jax.ffi import cases, grouped_gemm_reference
 from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, launch_support, resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
@@ -80,13 +79,8 @@ def test_falls_back_where_fp8_does_not_apply():
 
 
 # ----------------------------------------------------------------------------- GPU
-def _weight(key, fmt, groups, n, k):
-    w = jax.random.normal(key, (groups, n, k), jnp.float32) * k ** -0.5
-    return quant.quantize_fp8_weight(w) if fmt == "fp8" else quant.quantize_fp4_weight(w)
-
-
-def _f64(a):
-    return np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+def _f32(a):
+    return np.asarray(jnp.asarray(a, jnp.float32))
 
 
 # name: (fmt, groups, N, K, gated, rows, routed) -- the Flash decode GEMMs: dense FP8 linears
@@ -111,8 +105,9 @@ GPU_CASES = {
 def test_equals_mma_fp8_and_matches_the_reference(name):
     fmt, groups, n, k, gated, rows, routed = GPU_CASES[name]
     key = jax.random.key(len(name))
-    w = _weight(jax.random.fold_in(key, 1), fmt, groups, n, k)
-    w_up = _weight(jax.random.fold_in(key, 2), fmt, groups, n, k) if gated else None
+    w = cases.random_weight(fmt, *jax.random.split(jax.random.fold_in(key, 1)), groups, n, k)
+    w_up = (cases.random_weight(fmt, *jax.random.split(jax.random.fold_in(key, 2)), groups, n,
+                                k) if gated else None)
     x = jax.random.normal(jax.random.fold_in(key, 3), (rows, k), jnp.float32)
     x = x.astype(jnp.bfloat16)
     ids = (jax.random.randint(jax.random.fold_in(key, 4), (rows,), 0, groups) if routed
@@ -131,8 +126,5 @@ def test_equals_mma_fp8_and_matches_the_reference(name):
     got, again, fp8 = (run(x, c, ids, w, arrays) for c in (config, config, same))
     want = jax.jit(lambda x, ids, w, kw: grouped_gemm_reference(x, ids, w, **kw, **static))(
         x, ids, w, arrays)
-    assert np.all(np.isfinite(_f64(got)))
-    np.testing.assert_array_equal(_f64(got), _f64(again))
-    np.testing.assert_array_equal(_f64(got), _f64(fp8))
-    err = np.linalg.norm(_f64(got) - _f64(want)) / np.linalg.norm(_f64(want))
-    assert err < 1e-2, err
+    cases.check_against_reference(_f32(got), _f32(want), 1e-2, again=_f32(again))
+    np.testing.assert_array_equal(_f32(got), _f32(fp8))
