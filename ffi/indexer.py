@@ -30,38 +30,46 @@ visible entries are not computed, so a short context in a large cache costs its 
 f32 scores fit in ``SCORE_BLOCK_BUDGET_BYTES`` (decode: one score einsum and one top-k), else
 the largest multiple of ``MIN_BLOCK`` entries that fits. The ids do not depend on ``block``.
 
-Implementations: ``"xla"``, ``index_topk_reference`` (``ffi/indexer_reference.py``). There is
-no kernel yet; a CuTe kernel will implement the same contract and register as ``"cute"``.
-Until then ``implementation`` takes None or ``"xla"`` (both run the reference), and a
-``KernelPolicy`` whose default is ``"cute"`` runs this op's reference.
+Implementations: ``"xla"``, ``index_topk_reference`` (``ffi/indexer_reference.py``);
+``"cute"``, ``ffi/indexer_sm90.py``: the scores of each block from a Hopper kernel
+(``kernels/index_scores_sm90.py``: bf16 q, keys and weights, 64 heads of width 128), as bf16
+``[B, S, block]`` (the ``[B, S, H, block]`` products stay in registers), merged by the same
+running top-k. Its blocks are wider (``indexer_sm90.choose_kernel_block``: bf16 ``[B, S,
+block]`` within ``KERNEL_SCORE_BUDGET_BYTES``). The kernel adds the 64 head products in a
+fixed f32 tree: its ids equal the reference's whenever that sum is exact in f32 (the
+indexer's FP4-grid inputs make the dot products exact; the weighted sum is exact unless
+its terms span more than f32's 24 bits), else scores may differ by an f32 rounding before
+the bf16 one, which can only reorder near-ties.
 """
 from __future__ import annotations
 
+from . import indexer_sm90
 from .dispatch import dispatch
 from .indexer_reference import (MIN_BLOCK, SCORE_BLOCK_BUDGET_BYTES, check_index_topk_args,
                                 choose_block, index_topk_reference)
-from .registry import REFERENCE, OpSpec, register
+from .registry import OpSpec, register
 
 __all__ = ["index_topk", "index_topk_reference", "check_index_topk_args", "choose_block",
            "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
 
 
-def _support(*_, **__) -> tuple[bool, str]:
-    return False, "index_topk has no CuTe kernel yet"
-
-
-def _no_kernel(*_):
-    raise NotImplementedError("index_topk has no CuTe kernel yet")
+def _support(q, weights, keys, visible, k=None, block=None, **_) -> tuple[bool, str]:
+    return indexer_sm90.support(q, weights, keys, visible, k, block)
 
 
 def index_topk(q, weights, keys, visible, k: int, *, block: int | None = None,
                implementation: str | None = None):
-    """The indexer's top-k entry ids; see the module docstring. ``implementation``: None or
-    ``"xla"`` (the reference; the op has no kernel yet)."""
+    """The indexer's top-k entry ids; see the module docstring. ``implementation``:
+    ``"cute"`` (the kernel's scores; raises when it cannot run), ``"xla"`` (the reference)
+    or None (the kernel when lowering for a Hopper GPU and it takes the arguments, else the
+    reference)."""
     check_index_topk_args(q, weights, keys, visible, k, block)
-    return dispatch("index_topk", implementation, _support,
+    return dispatch("index_topk", implementation,
+                    lambda: _support(q, weights, keys, visible, k, block),
                     lambda qq, w, kt, v: index_topk_reference(qq, w, kt, v, k, block=block),
-                    _no_kernel, q, weights, keys, visible)
+                    lambda qq, w, kt, v: indexer_sm90.index_topk_cute(qq, w, kt, v, k,
+                                                                      block=block),
+                    q, weights, keys, visible)
 
 
-register(OpSpec("index_topk", index_topk_reference, _support, implementations=(REFERENCE,)))
+register(OpSpec("index_topk", index_topk_reference, _support))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["index_topk_reference", "check_index_topk_args", "choose_block",
+__all__ = ["index_topk_reference", "check_index_topk_args", "choose_block", "blocked_topk",
            "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
 
 # The largest per-block temporary, the f32 scores ``[B, S, H, block]``: a 4096-token prefill
@@ -96,11 +96,15 @@ def _scores(q, weights, keys, lo, limit):
     return jnp.where(entry[None, None, :] < limit[..., None], score, -jnp.inf), entry
 
 
-def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None = None):
-    """Pure-JAX definition of ``index_topk`` (runs anywhere); ``block=None``: ``choose_block``.
+def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limit):
+    """The running top-k over ``ceil(n / width)`` blocks of entries (``ffi/indexer.py``).
 
-    The first step scores the first ``ceil(k' / block)`` blocks (one at a time) and takes
-    their top k', so the running set always holds k' real entries; each later block is merged
+    ``block_scores(lo)`` gives the masked scores ``[B, S, width]`` of entries ``lo .. lo +
+    width - 1`` (``lo`` traced; -inf for every entry at or past ``limit``, entries past ``n``
+    included); ``limit`` ``[B, S]`` int32 is the visible count clamped to ``n``.
+
+    The first step scores the first ``ceil(kk / width)`` blocks (one at a time) and takes
+    their top kk, so the running set always holds kk real entries; each later block is merged
     by a top-k over ``[running, block]``. ``lax.top_k`` puts the lower position first on
     ties, and the running set (itself in top-k order) sits before the block, whose entries all
     have higher ids, so ties resolve by id exactly as one top-k over the whole table (a visible
@@ -108,28 +112,12 @@ def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None
     the longest row's visible entries are skipped (a ``while_loop``): they would only add -inf
     candidates with higher ids than every entry already held, which never displace one.
     """
-    check_index_topk_args(q, weights, keys, visible, k, block)
-    b, s, h, _ = q.shape
-    n = keys.shape[1]
-    if n == 0:
-        return jnp.full((b, s, 0), -1, jnp.int32)
-    kk = min(k, n)
-    width = choose_block(b, s, h, n) if block is None else min(block, n)
     n_blocks = _cdiv(n, width)
     first = min(_cdiv(kk, width), n_blocks)
-    limit = jnp.minimum(visible.astype(jnp.int32), n)     # entries past the table are none
-    if n_blocks * width != n:                             # padded entries are never visible
-        keys = jnp.pad(keys, ((0, 0), (0, n_blocks * width - n), (0, 0)))
-
-    def block_scores(i):
-        lo = i * width
-        keys_i = jax.lax.dynamic_slice_in_dim(keys, lo, width, axis=1)
-        return _scores(q, weights, keys_i, lo, limit)
-
-    if first == 1:                  # one einsum (decode: the whole table, as before the op)
-        score, _ = _scores(q, weights, keys[:, :width] if n_blocks > 1 else keys, 0, limit)
+    if first == 1:                  # one block (decode: the whole table)
+        score = block_scores(jnp.int32(0))
     else:                           # [B, S, first * width] from one block's temporaries
-        parts = jax.lax.map(lambda i: block_scores(i)[0], jnp.arange(first, dtype=jnp.int32))
+        parts = jax.lax.map(lambda i: block_scores(i * width), jnp.arange(first, dtype=jnp.int32))
         score = jnp.moveaxis(parts, 0, 2).reshape(b, s, first * width)
     values, ids = jax.lax.top_k(score, kk)                # positions are ids: it starts at 0
 
@@ -139,7 +127,8 @@ def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None
 
         def body(carry):
             i, values, ids = carry
-            score, entry = block_scores(i)
+            score = block_scores(i * width)
+            entry = i * width + jnp.arange(width, dtype=jnp.int32)
             cand = jnp.concatenate([values, score], axis=-1)
             cand_ids = jnp.concatenate([ids, jnp.broadcast_to(entry, score.shape)], axis=-1)
             values, pos = jax.lax.top_k(cand, kk)
@@ -148,3 +137,29 @@ def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None
         _, values, ids = jax.lax.while_loop(lambda c: c[0] < stop, body,
                                             (jnp.int32(first), values, ids))
     return jnp.where(ids < limit[..., None], ids, -1).astype(jnp.int32)
+
+
+def index_topk_reference(q, weights, keys, visible, k: int, *, block: int | None = None):
+    """Pure-JAX definition of ``index_topk`` (runs anywhere); ``block=None``: ``choose_block``.
+    The scores of each block in XLA (the last block padded with invisible entries), merged by
+    ``blocked_topk``."""
+    check_index_topk_args(q, weights, keys, visible, k, block)
+    b, s, h, _ = q.shape
+    n = keys.shape[1]
+    if n == 0:
+        return jnp.full((b, s, 0), -1, jnp.int32)
+    kk = min(k, n)
+    width = choose_block(b, s, h, n) if block is None else min(block, n)
+    n_blocks = _cdiv(n, width)
+    limit = jnp.minimum(visible.astype(jnp.int32), n)     # entries past the table are none
+    if n_blocks * width != n:                             # padded entries are never visible
+        keys = jnp.pad(keys, ((0, 0), (0, n_blocks * width - n), (0, 0)))
+    if n_blocks == 1:
+        return blocked_topk(lambda lo: _scores(q, weights, keys, 0, limit)[0],
+                            b, s, n, kk, width, limit)
+
+    def block_scores(lo):
+        keys_i = jax.lax.dynamic_slice_in_dim(keys, lo, width, axis=1)
+        return _scores(q, weights, keys_i, lo, limit)[0]
+
+    return blocked_topk(block_scores, b, s, n, kk, width, limit)

@@ -61,11 +61,10 @@ def test_unsupported_shapes_fall_back_to_the_reference_for_cuda():
 def test_every_op_is_registered_under_its_public_name():
     assert op_names() == ("grouped_gemm", "hc_split_sinkhorn", "index_topk", "moe_expert_rows",
                           "moe_experts", "sparse_attention")
-    without_kernel = {"index_topk"}
     for name in op_names():
         spec = op_spec(name)
         assert spec.name == name
-        assert spec.implementations == (("xla",) if name in without_kernel else ("xla", "cute"))
+        assert spec.implementations == ("xla", "cute")
         assert spec.reference.__name__ == f"{name}_reference"
         assert getattr(dj.ffi, name).__name__ == name
     with pytest.raises(ValueError, match="unknown op 'moe'; the ops are grouped_gemm, "):

@@ -129,19 +129,25 @@ def test_an_empty_table_gives_no_slots():
     assert out.shape == (2, 3, 0) and out.dtype == jnp.int32
 
 
-def test_dispatch_of_an_op_with_only_a_reference():
+def test_dispatch_on_cpu():
+    """None and "xla" run the reference here; "cute" names why it cannot run: arguments the
+    kernel does not take, or no Hopper GPU in this process."""
     args = _inputs(1, 2, 4, 32, 300)
     np.testing.assert_array_equal(index_topk(*args, 8, implementation="xla"),
                                   index_topk_reference(*args, 8))
-    assert op_spec("index_topk").implementations == ("xla",)
-    with pytest.raises(ValueError, match=r"index_topk: implementation must be one of "
-                                         r"\('xla',\) or None, got 'cute'"):
+    np.testing.assert_array_equal(index_topk(*args, 8), index_topk_reference(*args, 8))
+    assert op_spec("index_topk").implementations == ("xla", "cute")
+    assert KernelPolicy(implementation="cute").implementation_for("index_topk") == "cute"
+    pytest.importorskip("cutlass")
+    with pytest.raises(ValueError, match=r"index_topk\(implementation='cute'\) does not "
+                                         r"support 4 heads of width 32 \(the kernel takes "
+                                         r"64 x 128\)"):
         index_topk(*args, 8, implementation="cute")
-    # a policy whose default is the kernels runs the reference of an op without one
-    assert KernelPolicy(implementation="cute").implementation_for("index_topk") == "xla"
-    assert KernelPolicy(implementation="cute").implementation_for("sparse_attention") == "cute"
-    with pytest.raises(ValueError, match="index_topk: implementation must be one of"):
-        KernelPolicy(ops={"index_topk": "cute"})
+    wide = (jnp.zeros((1, 2, 64, 128), BF16), jnp.zeros((1, 2, 64), BF16),
+            jnp.zeros((1, 300, 128), BF16), jnp.zeros((1, 2), jnp.int32))
+    with pytest.raises(RuntimeError, match=r"index_topk\(implementation='cute'\) needs a "
+                                           r"CUDA GPU"):
+        index_topk(*wide, 8, implementation="cute")
 
 
 def test_the_block_rule():

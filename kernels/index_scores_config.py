@@ -1,0 +1,81 @@
+"""``index_topk``'s scores on Hopper (sm_90a): the kernel's configuration, limits and launch
+rule -- everything the op decides without importing CuTe DSL.
+
+The CuTe DSL code is ``index_scores_sm90.py``: for a block of ``width`` index entries, the
+ReLU-weighted head sums of every query of a chunk, written as bf16 ``[B, S, width]`` (never
+``[B, S, H, width]``); the op merges blocks into its running top-k.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+HEADS = 64               # index heads = the WGMMA's M: one query per warpgroup tile
+DIM = 128                # index head width = the WGMMA's K
+BLOCK_N = 128            # entries per pipeline stage = the WGMMA's N
+MATH_WARPGROUPS = 2
+SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+NUM_SMS = 132            # H100 SXM and H200
+MAX_GRID_Y = 65535
+MAX_GRID_Z = 65535
+# CTAs a launch aims for when its queries alone give fewer (decode: a few queries against
+# many entries): the entries are split among CTAs so that every SM streams keys.
+TARGET_CTAS = 2 * NUM_SMS
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexScoresSm90Config:
+    """One launch configuration: ``tokens_per_warpgroup`` queries per math warpgroup (a CTA
+    holds 2 x that many queries' Q tiles and reads each key block once for all of them) and
+    ``num_stages`` key blocks in flight. A combination that does not fit raises
+    ``ValueError``."""
+    tokens_per_warpgroup: int = 2
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.tokens_per_warpgroup not in (1, 2):
+            raise ValueError(f"IndexScoresSm90Config: tokens_per_warpgroup must be 1 or 2, got "
+                             f"{self.tokens_per_warpgroup}")
+        if not 2 <= self.num_stages <= 4:
+            raise ValueError(f"IndexScoresSm90Config: num_stages must be in [2, 4], got "
+                             f"{self.num_stages}")
+        if self.smem_bytes() > SMEM_BYTES:
+            raise ValueError(f"IndexScoresSm90Config: {self} needs {self.smem_bytes()} bytes of "
+                             f"shared memory, more than {SMEM_BYTES}")
+
+    @property
+    def tokens_per_cta(self) -> int:
+        return MATH_WARPGROUPS * self.tokens_per_warpgroup
+
+    def smem_bytes(self) -> int:
+        """Q tiles + key stages + the head-sum exchange (2 buffers per math warpgroup and
+        query, 4 warps x BLOCK_N f32) + barriers."""
+        q = self.tokens_per_cta * HEADS * DIM * 2
+        keys = self.num_stages * BLOCK_N * DIM * 2
+        exchange = MATH_WARPGROUPS * 2 * self.tokens_per_warpgroup * 4 * BLOCK_N * 4
+        return q + keys + exchange + 16 * self.num_stages + 2048   # alignment slack
+
+    def grid(self, batch: int, tokens: int, width: int) -> tuple[int, int, int]:
+        """(query groups, entry splits, batch rows): the entries are split when the queries
+        give fewer than ``TARGET_CTAS`` CTAs, each split a whole number of blocks."""
+        groups = -(-tokens // self.tokens_per_cta)
+        blocks = -(-width // BLOCK_N)
+        splits = max(1, min(blocks, -(-TARGET_CTAS // (groups * batch)), MAX_GRID_Y))
+        return groups, splits, batch
+
+    def is_supported(self, *, heads: int, dim: int, dtype: str, key_dtype: str, batch: int,
+                     tokens: int, entries: int, width: int) -> tuple[bool, str]:
+        """``(True, "")`` when the kernel handles these arguments, else ``(False, reason)``."""
+        if heads != HEADS or dim != DIM:
+            return False, f"{heads} heads of width {dim} (the kernel takes {HEADS} x {DIM})"
+        if dtype != "bfloat16" or key_dtype != "bfloat16":
+            return False, f"q {dtype} and keys {key_dtype} (the kernel takes bfloat16)"
+        if entries < 1 or tokens < 1 or width < 1:
+            return False, "an empty query set or entry table"
+        if batch > MAX_GRID_Z or -(-tokens // self.tokens_per_cta) > 2 ** 31 - 1:
+            return False, f"batch {batch} x {tokens} queries (more CTAs than the grid takes)"
+        if batch * tokens * HEADS * DIM >= 2 ** 31 or batch * entries * DIM >= 2 ** 31:
+            return False, "q or the key table has 2^31 elements or more (32-bit indexing)"
+        return True, ""
+
+
+DEFAULT_CONFIG = IndexScoresSm90Config()

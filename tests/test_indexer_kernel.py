@@ -1,0 +1,211 @@
+"""The indexer's score kernel (``kernels/index_scores_sm90.py``) and ``index_topk``'s kernel
+path: its configuration and block rule, compilation for sm_90a and the model's lowering on
+CPU; on the GPU, the kernel's scores bit for bit against the reference's where the head sum is
+exact in f32, the op's ids equal to the reference's, and near-equality on generic data."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import dsv4_jax as dj
+from dsv4_jax.ffi import dispatch, index_topk
+from dsv4_jax.ffi import indexer_sm90
+from dsv4_jax.ffi.indexer_reference import _scores
+from dsv4_jax.ffi.policy import KernelPolicy
+from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, SMEM_BYTES,
+                                                  TARGET_CTAS, IndexScoresSm90Config)
+from dsv4_jax.params import abstract_params
+
+BF16 = jnp.bfloat16
+H, D = 64, 128
+_LAUNCH = "call @call_wrapper"
+
+
+def exact_inputs(b, s, n, seed=0, visible=None):
+    """Inputs whose head sums are exact in f32, so any addition order gives the reference's
+    bits: q and keys in {0, +-0.5, +-1} (dot products multiples of 1/4, |dot| <= 128, exact
+    in bf16 up to 64), weights in {0, +-1/4, +-1/2, +-1} (exact products); the 64 terms of a
+    sum then span under 24 bits."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-2, 3, (b, s, H, D)) * 0.5
+    keys = rng.integers(-2, 3, (b, n, D)) * 0.5
+    weights = rng.choice([0.0, 0.25, -0.25, 0.5, -0.5, 1.0, -1.0], (b, s, H))
+    if visible is None:
+        visible = rng.integers(0, n + 1, (b, s))
+        visible.flat[0] = n
+    return (jnp.asarray(q, BF16), jnp.asarray(weights, BF16), jnp.asarray(keys, BF16),
+            jnp.asarray(visible, jnp.int32))
+
+
+def generic_inputs(b, s, n, seed=0):
+    """Normal q, keys and weights: sums need not be exact in f32."""
+    kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (b, s, H, D), BF16)
+    keys = jax.random.normal(kk, (b, n, D), BF16)
+    weights = jax.random.normal(kw, (b, s, H), BF16)
+    return q, weights, keys, jnp.full((b, s), n, jnp.int32)
+
+
+# ----------------------------------------------------------------------------- CPU
+def test_config_limits_and_grid():
+    assert DEFAULT_CONFIG.smem_bytes() <= SMEM_BYTES
+    assert DEFAULT_CONFIG.tokens_per_cta == 4
+    with pytest.raises(ValueError, match="tokens_per_warpgroup must be 1 or 2, got 3"):
+        IndexScoresSm90Config(tokens_per_warpgroup=3)
+    with pytest.raises(ValueError, match=r"num_stages must be in \[2, 4\], got 5"):
+        IndexScoresSm90Config(num_stages=5)
+    # prefill: the queries fill the GPU, the entries are not split
+    assert DEFAULT_CONFIG.grid(1, 4096, 32768) == (1024, 1, 1)
+    # decode: one query per row, the entries split among ~TARGET_CTAS CTAs
+    groups, splits, batch = DEFAULT_CONFIG.grid(8, 1, 262144)
+    assert (groups, batch) == (1, 8) and splits * 8 >= TARGET_CTAS and splits * 7 < TARGET_CTAS
+    assert DEFAULT_CONFIG.grid(1, 1, 300) == (1, 3, 1)            # never more than the blocks
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(heads=32), "32 heads of width 128"),
+    (dict(dim=64), "64 heads of width 64"),
+    (dict(dtype="float32"), "q float32 and keys bfloat16"),
+    (dict(key_dtype="float32"), "keys float32"),
+    (dict(entries=0), "empty"),
+    (dict(batch=70000), "more CTAs than the grid takes"),
+])
+def test_support_names_the_reason(kwargs, reason):
+    args = dict(heads=64, dim=128, dtype="bfloat16", key_dtype="bfloat16", batch=2,
+                tokens=3, entries=500, width=500) | kwargs
+    ok, why = DEFAULT_CONFIG.is_supported(**args)
+    assert not ok and reason in why
+    assert DEFAULT_CONFIG.is_supported(**(args | {k: v for k, v in dict(
+        heads=64, dim=128, dtype="bfloat16", key_dtype="bfloat16", batch=2,
+        entries=500).items()})) == (True, "")
+
+
+def test_the_kernel_block_rule():
+    budget = indexer_sm90.KERNEL_SCORE_BUDGET_BYTES
+    assert indexer_sm90.choose_kernel_block(8, 1, 262144, 512) == 262144    # decode: one
+    block = indexer_sm90.choose_kernel_block(1, 4096, 131072, 512)
+    assert block % BLOCK_N == 0 and 2 * 4096 * block <= budget
+    assert 2 * 4096 * (block + BLOCK_N) > budget
+    # never below k: the first merge is one block
+    assert indexer_sm90.choose_kernel_block(64, 65536, 10000, 1000) == 1024
+
+
+@pytest.mark.parametrize("tokens_per_warpgroup", [1, 2])
+def test_kernel_compiles_for_sm90a(tokens_per_warpgroup):
+    """Per query of a math warpgroup: 8 WGMMAs (K = 128), 16 bf16x2 weight products per row
+    pair, a 28-shuffle reduce-scatter and one score store; no local memory."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from dsv4_jax.kernels import index_scores_sm90 as kernel
+    b, s, n, w = (cute.sym_int() for _ in range(4))
+    bf = lambda shape: make_fake_compact_tensor(cutlass.BFloat16, shape, assumed_align=16)
+    i32 = lambda shape: make_fake_compact_tensor(cutlass.Int32, shape, assumed_align=4)
+    compiled = cute.compile(kernel.index_scores_launcher, make_fake_stream(),
+                            bf((b, s, H, D)), bf((b, s, H)), bf((b, n, D)), i32((b, s)),
+                            i32((1,)), bf((b, s, w)), splits=3,
+                            tokens_per_warpgroup=tokens_per_warpgroup, num_stages=3)
+    ptx = compiled.artifacts.PTX
+    tpw = tokens_per_warpgroup
+    assert ".target sm_90a" in ptx
+    assert ptx.count("wgmma.mma_async") == 8 * tpw
+    assert ptx.count("mul.rn.bf16x2") == 2 * (BLOCK_N // 8) * tpw
+    assert ptx.count("shfl.sync.bfly") >= 28 * tpw
+    assert ptx.count("st.global") == tpw
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    # Q tiles (8 rows per pass, 64 rows per query) and the key block, 16 B each
+    assert ptx.count("cp.async.cg.shared.global") == 8 * 2 * tpw + BLOCK_N // 8
+
+
+def _lower_model(index_impl):
+    """A quantised tiny model with the indexer's real head count, lowered for a Hopper GPU."""
+    cfg = dj.Config.tiny(quantized=True, index_n_heads=H, index_head_dim=D)
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
+              "hc_split_sinkhorn": "xla", "index_topk": index_impl}
+    model = dj.DSV4(cfg, implementation=KernelPolicy(ops=others), runtime_checks=False)
+    params = abstract_params(cfg)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256))
+    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
+    with dispatch.cuda_target():
+        text = step.trace(params, tok, cache).lower(lowering_platforms=("cuda",)).as_text()
+    return cfg, text
+
+
+def test_the_models_step_lowers_to_the_score_kernel():
+    """One score launch per CSA layer of the decode step (the table is one block), none when
+    the op runs its reference."""
+    pytest.importorskip("cutlass")
+    cfg, text = _lower_model("cute")
+    csa = sum(1 for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa")
+    assert csa >= 1 and text.count(_LAUNCH) == csa
+    assert _LAUNCH not in _lower_model("xla")[1]
+
+
+# ----------------------------------------------------------------------------- GPU
+def _reference_block(q, weights, keys, limit, lo, width):
+    n = keys.shape[1]
+    padded = jnp.pad(keys, ((0, 0), (0, max(0, lo + width - n)), (0, 0)))
+    return _scores(q, weights, padded[:, lo:lo + width], lo, limit)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s, n, lo, width", [
+    (1, 1, 1024, 0, 1024),        # decode, one block per CTA split
+    (8, 1, 5000, 0, 5000),        # decode batch 8, N not a multiple of the block
+    (3, 5, 1000, 0, 1000),        # S not a multiple of the CTA's 4 queries
+    (2, 9, 700, 128, 384),        # a later block: lo > 0, ending past N
+    (1, 64, 4096, 0, 4096),       # a prefill chunk
+    (1, 300, 2048, 1024, 1024),   # many query groups, one split each
+])
+def test_scores_equal_the_reference_bit_for_bit(b, s, n, lo, width):
+    q, weights, keys, visible = exact_inputs(b, s, n, seed=b + s)
+    limit = jnp.minimum(visible, n)
+    got = jax.jit(lambda *a: indexer_sm90.index_scores_cute(*a, jnp.int32(lo), width))(
+        q, weights, keys, limit)
+    want = jax.jit(lambda *a: _reference_block(*a, lo, width))(q, weights, keys, limit)
+    assert got.shape == (b, s, width) and got.dtype == BF16
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(want).any()
+    np.testing.assert_array_equal(got, want)
+    # the sign of zero too (+0 / -0 sums)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, s, n, k, block", [
+    (8, 1, 3000, 512, None),      # decode: one block, one top-k
+    (1, 1, 1024, 512, None),
+    (2, 7, 1000, 100, 256),       # several blocks merged, the last one partial
+    (1, 33, 600, 700, None),      # k > N: every visible entry, then -1
+    (1, 256, 8192, 512, 2048),    # a prefill chunk over four blocks
+])
+def test_ids_equal_the_reference(b, s, n, k, block):
+    args = exact_inputs(b, s, n, seed=n)
+    got = jax.jit(lambda *a: index_topk(*a, k, block=block, implementation="cute"))(*args)
+    want = jax.jit(lambda *a: index_topk(*a, k, block=block, implementation="xla"))(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+def test_generic_inputs_differ_by_at_most_an_f32_rounding():
+    """Normal inputs: the kernel's head sum adds in another order than XLA's, so a score may
+    differ by one bf16 step where the f32 sum sat on a rounding boundary; nearly all are
+    equal, and the selected sets nearly coincide."""
+    b, s, n, k = 2, 16, 4096, 512
+    q, weights, keys, visible = generic_inputs(b, s, n)
+    limit = jnp.minimum(visible, n)
+    got = np.asarray(jax.jit(lambda *a: indexer_sm90.index_scores_cute(
+        *a, jnp.int32(0), n))(q, weights, keys, limit), np.float32)
+    want = np.asarray(jax.jit(lambda *a: _reference_block(*a, 0, n))(q, weights, keys, limit),
+                      np.float32)
+    ulp = np.abs(want) * 2.0 ** -7 + 1e-30
+    assert (np.abs(got - want) <= ulp).all()
+    assert (got == want).mean() > 0.99
+    ids = np.asarray(index_topk(q, weights, keys, visible, k, implementation="cute"))
+    ref = np.asarray(index_topk(q, weights, keys, visible, k, implementation="xla"))
+    overlap = np.mean([len(set(a) & set(r)) / k for a, r in zip(ids.reshape(-1, k),
+                                                                 ref.reshape(-1, k))])
+    assert overlap > 0.99
