@@ -141,7 +141,8 @@ def time_prefill(cfg, policy, params, chunk, runs):
 # ----------------------------------------------------------------------------- profile
 KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
                  ("sparse attention kernel", "SparseAttention"),
-                 ("mHC split kernel", "HcSinkhorn"))
+                 ("mHC split kernel", "HcSinkhorn"),
+                 ("indexer score kernel", "IndexScores"))
 
 
 def profile_ops(run_once, top: int = 15):

@@ -13,7 +13,8 @@ two CSA with the indexer, two HCA), weights in checkpoint precision generated on
   row already holds P tokens (lengths set; entries zero: the same work) and has room for the
   chunk; median of ``--runs`` after one warm-up. Memory: the compiled program's temporary
   bytes (``memory_analysis``), its arguments (parameters + cache) and the device's peak bytes
-  in use so far (monotone: prefixes run in increasing order).
+  in use so far (monotone: prefixes run in increasing order). ``--profile-prefixes``: one
+  more call traced, its device time per model module (``step_figures.attribute``).
 * Long prompt (``--prompt N``): ``dj.generate`` on one random N-token prompt, 4 new tokens,
   ``prefill_chunk=--chunk``; the second of two calls (the first compiles): prefill seconds,
   tokens/s, and the device peak.
@@ -54,6 +55,10 @@ def chunk_at_prefix(cfg, policy, params, chunk: int, prefix: int, runs: int) -> 
 
     compiled = step.lower(params, tokens, cache()).compile()
     memory = compiled.memory_analysis()
+
+    def once():
+        return jax.block_until_ready(compiled(params, tokens, cache())[0])
+
     times = []
     for i in range(runs + 1):
         fresh = jax.block_until_ready(cache())            # donated: a fresh one per call
@@ -64,7 +69,22 @@ def chunk_at_prefix(cfg, policy, params, chunk: int, prefix: int, runs: int) -> 
             times.append(time.perf_counter() - t0)
     return dict(seconds=statistics.median(times), finite=bool(jnp.all(jnp.isfinite(logits))),
                 temp_gib=gib(memory.temp_size_in_bytes),
-                args_gib=gib(memory.argument_size_in_bytes), peak_gib=device_peak())
+                args_gib=gib(memory.argument_size_in_bytes), peak_gib=device_peak()), \
+        (once, compiled.as_text())
+
+
+def profile_chunk(title: str, once, hlo_text: str) -> str:
+    """One traced chunk: device time per model module (kernels attributed through the
+    compiled HLO's op paths, layers merged) and per CuTe kernel class."""
+    totals, counts = figures.trace_device_ops(once)
+    rows = figures.attribute(totals, counts, hlo_text, steps=1, depth=4)
+    total = sum(totals.values())
+    lines = [f"**{title}**: device ops {total / 1e3:.2f} ms, {sum(counts.values())} launches",
+             "", "| module | ms | launches |", "|---|---|---|"]
+    for name, us, n in sorted(rows, key=lambda r: -r[1]):
+        if us >= 0.005 * total:
+            lines.append(f"| `{name}` | {us / 1e3:.2f} | {n:.0f} |")
+    return "\n".join(lines)
 
 
 def run_prefixes(args, cfg, policy, params, out):
@@ -72,15 +92,22 @@ def run_prefixes(args, cfg, policy, params, out):
              f"{cfg.n_layers} {args.model_name} layers", "",
              "| P | ms | x P=0 | tokens/s | temporaries (GiB) | arguments (GiB) | "
              "device peak so far (GiB) |", "|---|---|---|---|---|---|---|"]
-    base = None
+    base, profiles = None, []
     for prefix in sorted(args.prefixes):
-        r = chunk_at_prefix(cfg, policy, params, args.chunk, prefix, args.runs)
+        r, (once, hlo_text) = chunk_at_prefix(cfg, policy, params, args.chunk, prefix,
+                                              args.runs)
+        if prefix in args.profile_prefixes:
+            profiles.append(profile_chunk(f"{args.chunk}-token chunk at P = {prefix}", once,
+                                          hlo_text))
+            print(profiles[-1], flush=True)
+        del once
         base = base or r["seconds"]
         print(f"prefix {prefix}: {r}", flush=True)
         lines.append(f"| {prefix} | {r['seconds'] * 1e3:.1f} | {r['seconds'] / base:.2f} | "
                      f"{args.chunk / r['seconds']:.0f} | {r['temp_gib']:.2f} | "
                      f"{r['args_gib']:.2f} | {r['peak_gib']:.1f} |")
     out.append("\n".join(lines))
+    out.extend(profiles)
 
 
 def run_prompt(args, cfg, policy, params, out):
@@ -125,6 +152,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--prefixes", type=ints, default=[])
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--profile-prefixes", type=ints, default=[],
+                   help="trace the chunk at these prefixes: device time per module")
     p.add_argument("--prompt", type=int, default=0, help="generate with a prompt this long")
     p.add_argument("--decode-ctxs", type=ints, default=[])
     p.add_argument("--batches", type=ints, default=[1, 8])

@@ -167,7 +167,7 @@ def module_of(op_name: str, depth: int = 3) -> str:
 
 # CuTe kernel class names -> the op they belong to.
 CUTE_KERNELS = (("GroupedGemm", "grouped GEMM"), ("SparseAttention", "sparse attention"),
-                ("HcSinkhorn", "mHC split"))
+                ("HcSinkhorn", "mHC split"), ("IndexScores", "indexer scores"))
 
 
 def kernel_sources(totals, hlo_text: str) -> dict[str, str]:
