@@ -22,13 +22,16 @@ KERNEL_SCORE_BUDGET_BYTES = 256 << 20
 
 def choose_kernel_block(b: int, s: int, n: int, k: int) -> int:
     """The kernel path's block: the whole table when its bf16 scores fit in
-    ``KERNEL_SCORE_BUDGET_BYTES``, else the largest multiple of the kernel's block that fits,
-    and at least k (rounded up to the kernel's block) so that the first merge is one block."""
+    ``KERNEL_SCORE_BUDGET_BYTES``, else as many blocks as the budget needs, of equal widths
+    (multiples of the kernel's block: the last block is not mostly past the table, whose
+    entries the kernel would score and the merge would sort for nothing), and at least k
+    (rounded up to the kernel's block) so that the first merge is one block."""
     fit = KERNEL_SCORE_BUDGET_BYTES // max(1, 2 * b * s)
     if fit >= n:
         return max(n, 1)
     floor = _cdiv(min(k, n), BLOCK_N) * BLOCK_N
-    return min(max(floor, fit // BLOCK_N * BLOCK_N), n)
+    blocks = _cdiv(n, max(floor, fit // BLOCK_N * BLOCK_N))
+    return min(max(floor, _cdiv(_cdiv(n, blocks), BLOCK_N) * BLOCK_N), n)
 
 
 def support(q, weights, keys, visible, k=None, block=None,

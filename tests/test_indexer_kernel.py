@@ -84,9 +84,13 @@ def test_support_names_the_reason(kwargs, reason):
 def test_the_kernel_block_rule():
     budget = indexer_sm90.KERNEL_SCORE_BUDGET_BYTES
     assert indexer_sm90.choose_kernel_block(8, 1, 262144, 512) == 262144    # decode: one
-    block = indexer_sm90.choose_kernel_block(1, 4096, 131072, 512)
-    assert block % BLOCK_N == 0 and 2 * 4096 * block <= budget
-    assert 2 * 4096 * (block + BLOCK_N) > budget
+    assert indexer_sm90.choose_kernel_block(1, 4096, 32768, 512) == 32768   # fits: one
+    for n in (32768 + 1024, 131072, 131072 + 77):
+        block = indexer_sm90.choose_kernel_block(1, 4096, n, 512)
+        blocks = -(-n // block)
+        assert block % BLOCK_N == 0 and 2 * 4096 * block <= budget
+        assert blocks == -(-n // (budget // (2 * 4096)))        # no more blocks than needed
+        assert blocks * block - n < blocks * BLOCK_N            # equal widths, no waste
     # never below k: the first merge is one block
     assert indexer_sm90.choose_kernel_block(64, 65536, 10000, 1000) == 1024
 
