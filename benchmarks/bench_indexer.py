@@ -11,8 +11,10 @@ Cases (64 heads of width 128, top-512, every entry visible to every query):
 * decode: one token per row, batch 1 and 8, N = 1024 / 65536 / 262144 (contexts of 4k,
   256k, 1M tokens).
 Inputs are generated on the device on the FP4 grid the model feeds the op (small multiples of
-1/2: many exact ties, as in the model). Timing: ``timing.median_seconds`` (each call waited
-for, warm-up excluded); the table gives the floors of the same row: FLOPs = 2 B S H N D at
+1/2: many exact ties, as in the model). Timing: wall, ``timing.median_seconds`` (each call
+waited for, warm-up excluded: includes the host's launch and wait, ~0.1 ms); device, the sum
+of the device ops of one traced call (``step_figures.trace_device_ops``); the table gives the
+floors of the same row: FLOPs = 2 B S H N D at
 ``PEAK_TFLOPS`` (bf16) and bytes = the keys, queries and weights read once at ``PEAK_TBPS``.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 
 from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.indexer_reference import choose_block
+from step_figures import trace_device_ops
 from timing import PEAK_TBPS, PEAK_TFLOPS, is_oom, median_seconds
 
 HEADS, DIM, TOPK = 64, 128, 512
@@ -60,8 +63,12 @@ def floors_us(b, s, n, heads=HEADS, dim=DIM):
 
 
 def time_op(args, impl, runs):
+    """(wall us of one call, each waited for; device us of one traced call: the sum of its
+    device ops, without the host's launch and wait)."""
     fn = jax.jit(lambda q, w, kt, v: index_topk(q, w, kt, v, TOPK, implementation=impl))
-    return median_seconds(fn, *args, runs=runs) * 1e6
+    wall = median_seconds(fn, *args, runs=runs) * 1e6
+    totals, _ = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
+    return wall, sum(totals.values())
 
 
 def time_parts(b, s, n, args, runs):
@@ -97,7 +104,7 @@ def main(argv=None):
     impls = args.impls.split(",")
     lines = [f"bench_indexer {datetime.date.today()} {jax.devices()[0].device_kind}: "
              f"{' '.join(sys.argv[1:])}", "",
-             "| case | B | S | N | " + " | ".join(f"{i} (us)" for i in impls)
+             "| case | B | S | N | " + " | ".join(f"{i}: wall / device (us)" for i in impls)
              + " | FLOP floor (us) | byte floor (us) |",
              "|---|---|---|---|" + "---|" * (len(impls) + 2)]
     part_lines = []
@@ -107,7 +114,8 @@ def main(argv=None):
             cells = []
             for impl in impls:
                 try:
-                    cells.append(f"{time_op(inputs, impl, args.runs):.1f}")
+                    wall, device = time_op(inputs, impl, args.runs)
+                    cells.append(f"{wall:.1f} / {device:.1f}")
                 except Exception as err:  # noqa: BLE001 -- a row's failure is reported in it
                     cells.append("OOM" if is_oom(err) else f"error: {type(err).__name__}")
             flop_us, byte_us = floors_us(b, s, n)

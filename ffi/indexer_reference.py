@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["index_topk_reference", "check_index_topk_args", "choose_block", "blocked_topk",
+           "top_k_in_parts",
            "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
 
 # The largest per-block temporary, the f32 scores ``[B, S, H, block]``: a 4096-token prefill
@@ -20,6 +22,10 @@ SCORE_BLOCK_BUDGET_BYTES = 256 << 20
 # The smallest automatic block: below it the per-block top-k (over k + block candidates) costs
 # more than the scores it saves, and it keeps the block a multiple of the tensor-core tiles.
 MIN_BLOCK = 128
+# ``top_k_in_parts``: rows of at least 4 parts of this many entries are cut into parts when
+# there are fewer than ``TOP_K_ROWS`` rows (decode steps; a prefill chunk's rows fill the GPU).
+TOP_K_PART = 4096
+TOP_K_ROWS = 256
 
 
 def _cdiv(a, b):
@@ -96,6 +102,31 @@ def _scores(q, weights, keys, lo, limit):
     return jnp.where(entry[None, None, :] < limit[..., None], score, -jnp.inf), entry
 
 
+def top_k_in_parts(score, kk: int):
+    """``lax.top_k(score, kk)`` over the last axis, the same values and positions; a few long
+    rows (a decode step over a long table) are cut into parts of ``TOP_K_PART`` whose top-kk
+    are merged by one more top-k. XLA sorts each row in one segment, so a handful of rows of
+    hundreds of thousands of entries leave the GPU idle; the parts give it many.
+
+    Exact, ties included: every entry of the top-kk is in its part's top-kk; the candidates sit
+    in part order, each part's in top-k order (the lower position first on ties), so a tie
+    between parts goes to the earlier part -- the lower position, as one top-k. The last part
+    is padded with -inf past the row, positions no real entry loses to (the row holds at
+    least kk entries, all before them)."""
+    *lead, width = score.shape
+    rows = int(np.prod(lead)) if lead else 1
+    part = max(TOP_K_PART, _cdiv(kk, TOP_K_PART) * TOP_K_PART)
+    if rows >= TOP_K_ROWS or width < 4 * part:
+        return jax.lax.top_k(score, kk)
+    parts = _cdiv(width, part)
+    padded = jnp.pad(score, [(0, 0)] * len(lead) + [(0, parts * part - width)],
+                     constant_values=-jnp.inf)
+    values, pos = jax.lax.top_k(padded.reshape(*lead, parts, part), kk)
+    pos = pos + (jnp.arange(parts, dtype=pos.dtype) * part)[:, None]
+    values, sel = jax.lax.top_k(values.reshape(*lead, parts * kk), kk)
+    return values, jnp.take_along_axis(pos.reshape(*lead, parts * kk), sel, axis=-1)
+
+
 def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limit):
     """The running top-k over ``ceil(n / width)`` blocks of entries (``ffi/indexer.py``).
 
@@ -119,7 +150,7 @@ def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limi
     else:                           # [B, S, first * width] from one block's temporaries
         parts = jax.lax.map(lambda i: block_scores(i * width), jnp.arange(first, dtype=jnp.int32))
         score = jnp.moveaxis(parts, 0, 2).reshape(b, s, first * width)
-    values, ids = jax.lax.top_k(score, kk)                # positions are ids: it starts at 0
+    values, ids = top_k_in_parts(score, kk)               # positions are ids: it starts at 0
 
     if n_blocks > first:
         needed = _cdiv(jnp.max(limit), width)
@@ -131,7 +162,7 @@ def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limi
             entry = i * width + jnp.arange(width, dtype=jnp.int32)
             cand = jnp.concatenate([values, score], axis=-1)
             cand_ids = jnp.concatenate([ids, jnp.broadcast_to(entry, score.shape)], axis=-1)
-            values, pos = jax.lax.top_k(cand, kk)
+            values, pos = top_k_in_parts(cand, kk)
             return i + 1, values, jnp.take_along_axis(cand_ids, pos, axis=-1)
 
         _, values, ids = jax.lax.while_loop(lambda c: c[0] < stop, body,

@@ -13,6 +13,7 @@ from dsv4_jax.cache import init_layer_cache
 from dsv4_jax.ffi import KernelPolicy, index_topk, index_topk_reference, op_spec
 from dsv4_jax.models import compressor
 from dsv4_jax.models.layers import rope_inv_freq
+from dsv4_jax.ffi import indexer_reference
 from dsv4_jax.ffi.indexer_reference import MIN_BLOCK, SCORE_BLOCK_BUDGET_BYTES, choose_block
 
 BF16 = jnp.bfloat16
@@ -148,6 +149,29 @@ def test_dispatch_on_cpu():
     with pytest.raises(RuntimeError, match=r"index_topk\(implementation='cute'\) needs a "
                                            r"CUDA GPU"):
         index_topk(*wide, 8, implementation="cute")
+
+
+@pytest.mark.parametrize("rows, width, kk", [(1, 1000, 40), (3, 257, 64), (2, 64, 64),
+                                             (300, 200, 8)])
+def test_top_k_in_parts_equals_one_top_k(monkeypatch, rows, width, kk):
+    """Small parts (16 entries) so that rows of a few hundred are cut: many ties (values of
+    six levels), -inf entries and a last part past the row; the values and positions of one
+    lax.top_k, ties to the lower position. 300 rows: no cut, one top-k."""
+    monkeypatch.setattr(indexer_reference, "TOP_K_PART", 16)
+    rng = np.random.default_rng(width)
+    score = rng.integers(0, 6, (rows, width)).astype(np.float32)
+    score[rng.random((rows, width)) < 0.2] = -np.inf
+    score = jnp.asarray(score, BF16)
+    want_v, want_i = jax.lax.top_k(score, kk)
+    got_v, got_i = indexer_reference.top_k_in_parts(score, kk)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(want_v, np.float32))
+
+
+def test_ids_with_the_rows_cut_into_parts(monkeypatch):
+    """A decode-like call (one query per row, one block) whose top-k runs in parts."""
+    monkeypatch.setattr(indexer_reference, "TOP_K_PART", 16)
+    _check(_inputs(2, 1, 8, 64, 1000, seed=6), 32, None)
 
 
 def test_the_block_rule():
