@@ -51,3 +51,38 @@ def test_generate_on_gpu_is_deterministic_and_uses_the_kernel():
     spec = dj.generate(model, params, ["The capital of France is", "Hi"], 24, speculative=True)
     assert spec.stats["drafts"] > 0
     print("tokens/s", first.stats["tokens_per_s"], second.stats)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [True, False])
+def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantized):
+    """The indexer's real head count and width (the score kernel's sizes), every other op on
+    its reference: prefill and decode logits with the kernel's scores equal those with the
+    reference's -- bit for bit with the FP4 simulation of the index queries and keys (their
+    dot products are exact in any order), closely without it (a near-tie may resolve the
+    other way: the head sum adds in another order)."""
+    cfg = dj.Config.tiny(index_n_heads=64, index_head_dim=128, quantized=quantized)
+    params = dj.init_params(cfg, 0)
+    toks = jax.random.randint(jax.random.key(1), (2, 300), 0, cfg.vocab_size)
+    others = {op: "xla" for op in ("grouped_gemm", "moe_experts", "sparse_attention",
+                                   "hc_split_sinkhorn")}
+    out = {}
+    for impl in ("cute", "xla"):
+        policy = dj.KernelPolicy(ops=others | {"index_topk": impl})
+        model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
+        fwd = jax.jit(lambda t, c, m=model: m.apply({"params": params}, t, c))
+        logits, cache = fwd(toks[:, :280], dj.Cache.init(cfg, 2, 512))
+        steps = [logits]
+        for i in range(280, 300):
+            logits, cache = fwd(toks[:, i:i + 1], cache)
+            steps.append(logits)
+        out[impl] = np.asarray(jnp.concatenate(steps, 1), np.float64)
+        hlo = fwd.lower(toks[:, :1], cache).as_text()
+        assert ("CuteDSLRT_NvJaxCutlassCall" in hlo) == (impl == "cute")
+    a, b = out["cute"], out["xla"]
+    assert np.all(np.isfinite(a))
+    if quantized:
+        np.testing.assert_array_equal(a, b)
+    else:
+        rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+        assert np.median(rel) < 1e-2 and np.mean(a.argmax(-1) == b.argmax(-1)) > 0.95
