@@ -40,12 +40,12 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
 from .index_scores_config import BLOCK_N, DIM, HEADS, MATH_WARPGROUPS, IndexScoresSm90Config
-from .sm90_primitives import cp_async_arrive
+from .sm90_primitives import copy16, cp_async_arrive, half_warp_rows, row_copy_atom
 
 NUM_THREADS = 128 * (1 + MATH_WARPGROUPS)
 PRODUCER_REGS, MATH_REGS = 72, 216       # as the sparse attention kernel: 72 + 2 x 216 <= 3 x 168
@@ -177,15 +177,8 @@ class IndexScoresSm90:
                 blk_begin: Int32, n_local: Int32, sQ: cute.Tensor, sK: cute.Tensor,
                 kv_pipe: pipeline.PipelineAsync, tidx: Int32):
         """WG0: the group's Q tiles, then the split's key blocks into the ring."""
-        atom_cp = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.dtype,
-            num_bits_per_copy=128)
-        # A half warp copies one 256 B row: thread (warp w, lane l) copies chunk l % 16 of
-        # rows 2 w + l // 16 + 8 i.
-        warp = tidx // 32
-        lane = tidx % 32
-        row0 = 2 * warp + lane // 16
-        chunk = lane % 16
+        atom_cp = row_copy_atom(self.dtype)
+        row0, chunk = half_warp_rows(tidx)        # a half warp per 256 B row, 8 rows a pass
         sK_vec = cute.flat_divide(sK, (1, 8))[0, None, None, None, None]
         sQ_vec = cute.flat_divide(sQ, (1, 8))[0, None, None, None, None]
         tokens = mQ.shape[1]
@@ -196,8 +189,8 @@ class IndexScoresSm90:
             q_row0 = ((b * tokens + s) * HEADS).to(Int64)
             for i in cutlass.range_constexpr(HEADS // 8):
                 row = row0 + 8 * i
-                self.copy16(atom_cp, q_base + ((q_row0 + row) * DIM + chunk * 8) * 2,
-                            sQ_vec[None, row, chunk, slot])
+                copy16(atom_cp, self.dtype, q_base + ((q_row0 + row) * DIM + chunk * 8) * 2,
+                       sQ_vec[None, row, chunk, slot])
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.num_stages)
         k_base = mK.iterator.toint()
@@ -208,21 +201,14 @@ class IndexScoresSm90:
                 row = row0 + 8 * i
                 entry = cutlass.min(first + row, entries - 1)
                 k_row = (b * entries + entry).to(Int64)
-                self.copy16(atom_cp, k_base + (k_row * DIM + chunk * 8) * 2,
-                            sK_vec[None, row, chunk, state.index])
+                copy16(atom_cp, self.dtype, k_base + (k_row * DIM + chunk * 8) * 2,
+                       sK_vec[None, row, chunk, state.index])
             # The phase completes once every producer thread's copies landed (Q rides with
             # the first block).
             cp_async_arrive(kv_pipe.producer_get_barrier(state))
             kv_pipe.producer_commit(state)
             state.advance()
         cute.arch.cp_async_wait_group(0)    # without blocks the Q copies still land first
-
-    @cute.jit
-    def copy16(self, atom: cute.CopyAtom, addr: Int64, dst: cute.Tensor):
-        src = cute.make_tensor(
-            cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
-            cute.make_layout((8,)))
-        cute.copy(atom, src, dst)
 
     @cute.jit
     def consume(self, mW: cute.Tensor, mVis: cute.Tensor, mOut: cute.Tensor, b: Int32,

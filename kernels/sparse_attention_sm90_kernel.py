@@ -51,10 +51,10 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
-from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from .sm90_primitives import cp_async_arrive
+from .sm90_primitives import copy16, cp_async_arrive, half_warp_rows, row_copy_atom
 from .sparse_attention_sm90_combine import SplitCombine
 from .sparse_attention_config import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
                                     SparseAttentionSm90Config)
@@ -195,15 +195,10 @@ class SparseAttentionSm90(SplitCombine):
                 tidx: Int32):
         """WG0: gather Q and the entry blocks with cp.async into the pipeline stages."""
         bn = self.block_n
-        atom_cp = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.dtype,
-            num_bits_per_copy=128)
-        # A warp instruction covers two 256 B row halves; thread (warp w, lane l) copies rows
-        # 2 (w + 4 i) + l // 16 and 16 B chunks l % 16 + 16 c of them.
-        warp = tidx // 32
-        lane = tidx % 32
-        row0 = 2 * warp + lane // 16
-        chunk0 = lane % 16
+        atom_cp = row_copy_atom(self.dtype)
+        # A warp instruction covers two 256 B row segments; thread (warp w, lane l) copies
+        # rows 2 (w + 4 i) + l // 16 and 16 B chunks l % 16 + 16 c of them.
+        row0, chunk0 = half_warp_rows(tidx)
         sK_vec = cute.flat_divide(sK, (1, 8))[0, None, None, None, None]
         sQ_vec = cute.flat_divide(sQ, (1, 8))[0, None, None, None]
 
@@ -213,8 +208,9 @@ class SparseAttentionSm90(SplitCombine):
             row = row0 + 8 * i
             for c in cutlass.range_constexpr(4):
                 chunk = chunk0 + 16 * c
-                self.copy16(atom_cp, q_base + (row * HEAD_DIM + chunk * 8).to(Int64) * 2,
-                            sQ_vec[None, row, chunk])
+                copy16(atom_cp, self.dtype,
+                       q_base + (row * HEAD_DIM + chunk * 8).to(Int64) * 2,
+                       sQ_vec[None, row, chunk])
 
         rIdx = cute.make_rmem_tensor((bn // 8,), Int32)
         rXIdx = cute.make_rmem_tensor((bn // 8,), Int32)
@@ -247,8 +243,8 @@ class SparseAttentionSm90(SplitCombine):
                 if issue:
                     for c in cutlass.range_constexpr(4):
                         chunk = chunk0 + 16 * c
-                        self.copy16(atom_cp, addr + (chunk * 16).to(Int64),
-                                    sK_vec[None, row, chunk, stage])
+                        copy16(atom_cp, self.dtype, addr + (chunk * 16).to(Int64),
+                               sK_vec[None, row, chunk, stage])
             # The barrier phase completes once every producer thread's copies landed and its
             # validity stores are released.
             cp_async_arrive(kv_pipe.producer_get_barrier(state))
@@ -258,13 +254,6 @@ class SparseAttentionSm90(SplitCombine):
                               rIdx, rXIdx)
         # Q rides with block 0; without blocks the copies must still land before exit.
         cute.arch.cp_async_wait_group(0)
-
-    @cute.jit
-    def copy16(self, atom: cute.CopyAtom, addr: Int64, dst: cute.Tensor):
-        src = cute.make_tensor(
-            cute.make_ptr(self.dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
-            cute.make_layout((8,)))
-        cute.copy(atom, src, dst)
 
     @cute.jit
     def read_indices(self, mIdx: cute.Tensor, mXIdx: cute.Tensor, t: Int32, blk: Int32,

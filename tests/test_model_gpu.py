@@ -8,6 +8,19 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 
 
+def prefill_then_decode(model, params, toks, prefill: int, max_len: int):
+    """Logits of a ``prefill``-token call and then one decode step per remaining token,
+    ``[B, T, vocab]`` f64, and the HLO of one decode step."""
+    fwd = jax.jit(lambda t, c: model.apply({"params": params}, t, c))
+    logits, cache = fwd(toks[:, :prefill], dj.Cache.init(model.config, toks.shape[0], max_len))
+    steps = [logits]
+    for i in range(prefill, toks.shape[1]):
+        logits, cache = fwd(toks[:, i:i + 1], cache)
+        steps.append(logits)
+    return (np.asarray(jnp.concatenate(steps, 1), np.float64),
+            fwd.lower(toks[:, :1], cache).as_text())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("quantized", [False, True])
 def test_model_with_the_kernel_matches_the_reference_path(quantized):
@@ -18,14 +31,7 @@ def test_model_with_the_kernel_matches_the_reference_path(quantized):
     out = {}
     for impl in (None, "xla"):
         model = dj.DSV4(cfg, implementation=impl, runtime_checks=False)
-        fwd = jax.jit(lambda t, c, m=model: m.apply({"params": params}, t, c))
-        logits, cache = fwd(toks[:, :150], dj.Cache.init(cfg, 2, 256))
-        steps = [logits]
-        for i in range(150, 160):
-            logits, cache = fwd(toks[:, i:i + 1], cache)
-            steps.append(logits)
-        out[impl] = np.asarray(jnp.concatenate(steps, 1), np.float64)
-        hlo = fwd.lower(toks[:, :1], cache).as_text()
+        out[impl], hlo = prefill_then_decode(model, params, toks, 150, 256)
         assert ("CuteDSLRT_NvJaxCutlassCall" in hlo) == (impl is None)
     a, b = out[None], out["xla"]
     rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
@@ -70,14 +76,7 @@ def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantize
     for impl in ("cute", "xla"):
         policy = dj.KernelPolicy(ops=others | {"index_topk": impl})
         model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
-        fwd = jax.jit(lambda t, c, m=model: m.apply({"params": params}, t, c))
-        logits, cache = fwd(toks[:, :280], dj.Cache.init(cfg, 2, 512))
-        steps = [logits]
-        for i in range(280, 300):
-            logits, cache = fwd(toks[:, i:i + 1], cache)
-            steps.append(logits)
-        out[impl] = np.asarray(jnp.concatenate(steps, 1), np.float64)
-        hlo = fwd.lower(toks[:, :1], cache).as_text()
+        out[impl], hlo = prefill_then_decode(model, params, toks, 280, 512)
         assert ("CuteDSLRT_NvJaxCutlassCall" in hlo) == (impl == "cute")
     a, b = out["cute"], out["xla"]
     assert np.all(np.isfinite(a))
