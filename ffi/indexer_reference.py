@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["index_topk_reference", "check_index_topk_args", "choose_block", "blocked_topk",
-           "top_k_in_parts",
+           "top_k_in_parts", "select_reference",
            "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
 
 # The largest per-block temporary, the f32 scores ``[B, S, H, block]``: a 4096-token prefill
@@ -127,12 +127,29 @@ def top_k_in_parts(score, kk: int):
     return values, jnp.take_along_axis(pos.reshape(*lead, parts * kk), sel, axis=-1)
 
 
-def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limit):
+def select_reference(score, kk: int, lo, running=None):
+    """The top kk of ``running`` (values, ids: a top-k in top-k order, or None) followed by
+    ``score [B, S, width]`` (ids lo + j): ``(values, ids)`` in top-k order, ties to the
+    earlier candidate (``top_k_in_parts``)."""
+    if running is None:
+        values, pos = top_k_in_parts(score, kk)
+        return values, pos + lo
+    values, ids = running
+    entry = lo + jnp.arange(score.shape[-1], dtype=jnp.int32)
+    cand = jnp.concatenate([values, score], axis=-1)
+    cand_ids = jnp.concatenate([ids, jnp.broadcast_to(entry, score.shape)], axis=-1)
+    values, pos = top_k_in_parts(cand, kk)
+    return values, jnp.take_along_axis(cand_ids, pos, axis=-1)
+
+
+def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limit,
+                 select=select_reference):
     """The running top-k over ``ceil(n / width)`` blocks of entries (``ffi/indexer.py``).
 
     ``block_scores(lo)`` gives the masked scores ``[B, S, width]`` of entries ``lo .. lo +
     width - 1`` (``lo`` traced; -inf for every entry at or past ``limit``, entries past ``n``
-    included); ``limit`` ``[B, S]`` int32 is the visible count clamped to ``n``.
+    included); ``limit`` ``[B, S]`` int32 is the visible count clamped to ``n``;
+    ``select(score, kk, lo, running)`` keeps the top kk (``select_reference``).
 
     The first step scores the first ``ceil(kk / width)`` blocks (one at a time) and takes
     their top kk, so the running set always holds kk real entries; each later block is merged
@@ -150,7 +167,7 @@ def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limi
     else:                           # [B, S, first * width] from one block's temporaries
         parts = jax.lax.map(lambda i: block_scores(i * width), jnp.arange(first, dtype=jnp.int32))
         score = jnp.moveaxis(parts, 0, 2).reshape(b, s, first * width)
-    values, ids = top_k_in_parts(score, kk)               # positions are ids: it starts at 0
+    values, ids = select(score, kk, jnp.int32(0))         # positions are ids: it starts at 0
 
     if n_blocks > first:
         needed = _cdiv(jnp.max(limit), width)
@@ -158,12 +175,8 @@ def blocked_topk(block_scores, b: int, s: int, n: int, kk: int, width: int, limi
 
         def body(carry):
             i, values, ids = carry
-            score = block_scores(i * width)
-            entry = i * width + jnp.arange(width, dtype=jnp.int32)
-            cand = jnp.concatenate([values, score], axis=-1)
-            cand_ids = jnp.concatenate([ids, jnp.broadcast_to(entry, score.shape)], axis=-1)
-            values, pos = top_k_in_parts(cand, kk)
-            return i + 1, values, jnp.take_along_axis(cand_ids, pos, axis=-1)
+            values, ids = select(block_scores(i * width), kk, i * width, (values, ids))
+            return i + 1, values, ids
 
         _, values, ids = jax.lax.while_loop(lambda c: c[0] < stop, body,
                                             (jnp.int32(first), values, ids))

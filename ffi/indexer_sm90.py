@@ -1,18 +1,19 @@
 """``index_topk`` on Hopper: the scores of each block of entries from
 ``kernels/index_scores_sm90.py`` (one launch per block, bf16 ``[B, S, width]``: no
-``[B, S, H, width]`` temporary), merged by the reference's running top-k
-(``indexer_reference.blocked_topk``)."""
+``[B, S, H, width]`` temporary), merged into the running top-k by
+``kernels/index_topk_sm90.py`` (a radix select per query row; k <= ``MAX_TOPK``, else XLA's
+``top_k``) in the reference's loop (``indexer_reference.blocked_topk``)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG,
+from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, MAX_TOPK,
                                                   IndexScoresSm90Config)
-from .indexer_reference import _cdiv, blocked_topk, check_index_topk_args
+from .indexer_reference import _cdiv, blocked_topk, check_index_topk_args, select_reference
 
-__all__ = ["support", "index_scores_cute", "index_topk_cute", "choose_kernel_block",
-           "KERNEL_SCORE_BUDGET_BYTES"]
+__all__ = ["support", "index_scores_cute", "select_cute", "index_topk_cute",
+           "choose_kernel_block", "KERNEL_SCORE_BUDGET_BYTES"]
 
 # The largest per-block temporary of the kernel path, the bf16 scores ``[B, S, width]``: a
 # 4096-token chunk merges blocks of 32768 entries, a decode step the whole table at once.
@@ -64,6 +65,30 @@ def index_scores_cute(q, weights, keys, limit, lo, width: int,
     return res[0] if isinstance(res, (tuple, list)) else res
 
 
+def select_cute(score, kk: int, lo, running=None):
+    """``indexer_reference.select_reference`` by the top-k kernel (``kernels/index_topk_sm90``,
+    one CTA per query row): the same values and ids, in the same order; bf16 scores,
+    kk <= ``MAX_TOPK``."""
+    from .cute_call import cute_call
+    from dsv4_jax.kernels import index_topk_sm90 as kernel
+
+    *lead, width = score.shape
+    rows = 1
+    for d in lead:
+        rows *= d
+    flat = score.reshape(rows, width)
+    if running is None:               # the kernel reads no running set: placeholders
+        run_values, run_ids = flat, jnp.zeros((1, 1), jnp.int32)
+    else:
+        run_values, run_ids = (x.reshape(rows, x.shape[-1]) for x in running)
+    outs = (jax.ShapeDtypeStruct((rows, kk), score.dtype),
+            jax.ShapeDtypeStruct((rows, kk), jnp.int32))
+    values, ids = cute_call(kernel.index_topk_launcher, outs, flat, run_values, run_ids,
+                            jnp.reshape(lo, (1,)).astype(jnp.int32), k=kk,
+                            has_running=running is not None)
+    return values.reshape(*lead, kk), ids.reshape(*lead, kk)
+
+
 def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = None,
                     config: IndexScoresSm90Config | None = None):
     """``index_topk`` with the kernel's scores; ``block=None``: ``choose_kernel_block``."""
@@ -79,4 +104,5 @@ def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = No
     width = choose_kernel_block(b, s, n, kk) if block is None else min(block, n)
     limit = jnp.minimum(visible.astype(jnp.int32), n)
     return blocked_topk(lambda lo: index_scores_cute(q, weights, keys, limit, lo, width, config),
-                        b, s, n, kk, width, limit)
+                        b, s, n, kk, width, limit,
+                        select=select_cute if kk <= MAX_TOPK else select_reference)

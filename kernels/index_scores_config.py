@@ -17,6 +17,10 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 NUM_SMS = 132            # H100 SXM and H200
 MAX_GRID_Y = 65535
 MAX_GRID_Z = 65535
+# The top-k kernel (``index_topk_sm90.py``): one CTA of TOPK_THREADS per row; its bitonic
+# sort gives each thread one compare-exchange per stage, so k <= 2 x TOPK_THREADS.
+TOPK_THREADS = 512
+MAX_TOPK = 2 * TOPK_THREADS
 # CTAs a launch aims for when its queries alone give fewer (decode: a few queries against
 # many entries): the entries are split among CTAs so that every SM streams keys.
 TARGET_CTAS = 2 * NUM_SMS

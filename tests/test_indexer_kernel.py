@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 from dsv4_jax.ffi import dispatch, index_topk
 from dsv4_jax.ffi import indexer_sm90
-from dsv4_jax.ffi.indexer_reference import _scores
+from dsv4_jax.ffi.indexer_reference import _scores, select_reference
 from dsv4_jax.ffi.policy import KernelPolicy
 from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, SMEM_BYTES,
                                                   TARGET_CTAS, IndexScoresSm90Config)
@@ -123,6 +123,28 @@ def test_kernel_compiles_for_sm90a(tokens_per_warpgroup):
     assert ptx.count("cp.async.cg.shared.global") == 8 * 2 * tpw + BLOCK_N // 8
 
 
+@pytest.mark.parametrize("has_running", [False, True])
+def test_topk_kernel_compiles_for_sm90a(has_running):
+    """Three shared-memory atomics (two histograms, the slot counter), one ballot per round,
+    two global stores (values, ids); no local memory."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from dsv4_jax.kernels import index_topk_sm90 as kernel
+    r, w, kr = (cute.sym_int() for _ in range(3))
+    bf = lambda shape: make_fake_compact_tensor(cutlass.BFloat16, shape, assumed_align=16)
+    i32 = lambda shape: make_fake_compact_tensor(cutlass.Int32, shape, assumed_align=4)
+    compiled = cute.compile(kernel.index_topk_launcher, make_fake_stream(), bf((r, w)),
+                            bf((r, kr)), i32((r, kr)), i32((1,)), bf((r, 512)), i32((r, 512)),
+                            k=512, has_running=has_running)
+    ptx = compiled.artifacts.PTX
+    assert ".target sm_90a" in ptx
+    assert ptx.count("atom.shared") == 3 and ptx.count("vote.sync.ballot") == 1
+    assert ptx.count("st.global") == 2
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
 def _lower_model(index_impl):
     """A quantised tiny model with the indexer's real head count, lowered for a Hopper GPU."""
     cfg = dj.Config.tiny(quantized=True, index_n_heads=H, index_head_dim=D)
@@ -138,13 +160,13 @@ def _lower_model(index_impl):
     return cfg, text
 
 
-def test_the_models_step_lowers_to_the_score_kernel():
-    """One score launch per CSA layer of the decode step (the table is one block), none when
-    the op runs its reference."""
+def test_the_models_step_lowers_to_the_indexer_kernels():
+    """Per CSA layer of the decode step, one score launch and one top-k launch (the table is
+    one block), none when the op runs its reference."""
     pytest.importorskip("cutlass")
     cfg, text = _lower_model("cute")
     csa = sum(1 for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa")
-    assert csa >= 1 and text.count(_LAUNCH) == csa
+    assert csa >= 1 and text.count(_LAUNCH) == 2 * csa
     assert _LAUNCH not in _lower_model("xla")[1]
 
 
@@ -191,6 +213,37 @@ def test_ids_equal_the_reference(b, s, n, k, block):
     got = jax.jit(lambda *a: index_topk(*a, k, block=block, implementation="cute"))(*args)
     want = jax.jit(lambda *a: index_topk(*a, k, block=block, implementation="xla"))(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def tied_scores(rows, width, seed):
+    """bf16 scores of eight levels (many ties), +0 and -0, and -inf entries."""
+    rng = np.random.default_rng(seed)
+    levels = np.array([-np.inf, -2.0, -0.0, 0.0, 0.5, 1.0, 3.0, 1e30], np.float32)
+    return jnp.asarray(levels[rng.integers(0, 8, (rows, width))], BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead, width, kk, running", [
+    ((3,), 1000, 512, False),          # a first step
+    ((2, 3), 700, 300, True),          # a merge, k not a power of two, [B, S] rows
+    ((2,), 262144, 512, False),        # a decode step over a 1M-token context
+    ((64,), 4096, 512, True),
+    ((1, 5), 2000, 16, True),
+])
+def test_topk_kernel_equals_the_reference_selection(lead, width, kk, running):
+    """Values bit for bit and ids equal to ``select_reference`` (ties to the earlier
+    candidate; -0 below +0), with and without a running set from an earlier block."""
+    score = tied_scores(int(np.prod(lead)), width, width).reshape(*lead, width)
+    state, lo = None, jnp.int32(0)
+    if running:
+        state = select_reference(tied_scores(int(np.prod(lead)), kk + 5, 1).reshape(
+            *lead, kk + 5), kk, jnp.int32(0))
+        lo = jnp.int32(kk + 5)
+    got = jax.jit(lambda x, st: indexer_sm90.select_cute(x, kk, lo, st))(score, state)
+    want = jax.jit(lambda x, st: select_reference(x, kk, lo, st))(score, state)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    got_v, want_v = (np.asarray(v).view(np.uint16) for v in (got[0], want[0]))
+    np.testing.assert_array_equal(got_v, want_v)
 
 
 @pytest.mark.gpu
