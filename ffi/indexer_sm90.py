@@ -1,8 +1,9 @@
 """``index_topk`` on Hopper: the scores of each block of entries from
 ``kernels/index_scores_sm90.py`` (one launch per block, bf16 ``[B, S, width]``: no
 ``[B, S, H, width]`` temporary), merged into the running top-k by
-``kernels/index_topk_sm90.py`` (a radix select per query row; k <= ``MAX_TOPK``, else XLA's
-``top_k``) in the reference's loop (``indexer_reference.blocked_topk``)."""
+``kernels/index_topk_sm90.py`` (a radix select per query row) when there are at least
+``TOP_K_ROWS`` query rows and k <= ``MAX_TOPK``, else by XLA's ``top_k`` (in parts for a few
+long rows), in the reference's loop (``indexer_reference.blocked_topk``)."""
 from __future__ import annotations
 
 import jax
@@ -10,7 +11,8 @@ import jax.numpy as jnp
 
 from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, MAX_TOPK,
                                                   IndexScoresSm90Config)
-from .indexer_reference import _cdiv, blocked_topk, check_index_topk_args, select_reference
+from .indexer_reference import (TOP_K_ROWS, _cdiv, blocked_topk, check_index_topk_args,
+                                select_reference)
 
 __all__ = ["support", "index_scores_cute", "select_cute", "index_topk_cute",
            "choose_kernel_block", "KERNEL_SCORE_BUDGET_BYTES"]
@@ -103,6 +105,10 @@ def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = No
     kk = min(k, n)
     width = choose_kernel_block(b, s, n, kk) if block is None else min(block, n)
     limit = jnp.minimum(visible.astype(jnp.int32), n)
+    # The top-k kernel runs one CTA per query row: with many rows (prefill) it fills the GPU;
+    # a few long rows (decode) take XLA's top-k in parts, which spreads each row over many
+    # sort segments (docs/performance.md).
+    kernel_select = kk <= MAX_TOPK and b * s >= TOP_K_ROWS
     return blocked_topk(lambda lo: index_scores_cute(q, weights, keys, limit, lo, width, config),
                         b, s, n, kk, width, limit,
-                        select=select_cute if kk <= MAX_TOPK else select_reference)
+                        select=select_cute if kernel_select else select_reference)
