@@ -142,7 +142,8 @@ def time_prefill(cfg, policy, params, chunk, runs):
 KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
                  ("sparse attention kernel", "SparseAttention"),
                  ("mHC split kernel", "HcSinkhorn"),
-                 ("indexer score kernel", "IndexScores"))
+                 ("indexer score kernel", "IndexScores"),
+                 ("indexer top-k kernel", "IndexTopk"))
 
 
 def profile_ops(run_once, top: int = 15):
