@@ -34,7 +34,9 @@ Implementations: ``"xla"``, ``index_topk_reference`` (``ffi/indexer_reference.py
 ``"cute"``, ``ffi/indexer_sm90.py``: the scores of each block from a Hopper kernel
 (``kernels/index_scores_sm90.py``: bf16 q, keys and weights, 64 heads of width 128), as bf16
 ``[B, S, block]`` (the ``[B, S, H, block]`` products stay in registers), merged by the same
-running top-k. Its blocks are wider (``indexer_sm90.choose_kernel_block``: bf16 ``[B, S,
+running top-k -- from ``indexer_reference.TOP_K_ROWS`` query rows on (prefill) by a CuTe
+top-k kernel (``kernels/index_topk_sm90.py``, exactly ``lax.top_k``'s values and ids), else
+by XLA's. Its blocks are wider (``indexer_sm90.choose_kernel_block``: bf16 ``[B, S,
 block]`` within ``KERNEL_SCORE_BUDGET_BYTES``). The kernel adds the 64 head products in a
 fixed f32 tree: its ids equal the reference's whenever that sum is exact in f32 (the
 indexer's FP4-grid inputs make the dot products exact; the weighted sum is exact unless
