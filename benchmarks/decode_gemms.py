@@ -10,14 +10,14 @@ GEMMs (``gemm_shapes``, from ``Config.flash(quantized=True)``): the attention's 
 wq_b, the indexer's wq_b, the grouped wo_a (BF16 activations: "mma_sync"), wo_b, the shared
 expert's gated w1/w3 and w2 (FP8 weights, 128 x 128 E8M0 blocks), the routed experts' gated
 w1/w3 and w2 (FP4, 1 x 32 E8M0, T k rows over 256 experts, balanced routing). Every launch
-is set up as the op sets it up (``cases.grouped_launch``: schedule and FP8 activation
-quantisation outside the timed call), so a time is the kernel (and, with a K split, the XLA
-sum of its partials).
+is set up as the op sets it up (``cases.grouped_launch``: the schedule outside the timed
+call, and the FP8 activation quantisation too for the algorithms that take codes; "mma_fp8"
+quantises in the kernel), so a time is the kernel (a K split adds its sums inside it).
 
 Timing: one jitted function runs the launch on R distinct weight sets (dense: R copies of the
 weight, R x bytes >= 256 MB so that nothing stays in the L2; routed: one expert stack and R
 routings). Device time: the GPU ops of one traced execution (``step_figures.trace_device_ops``:
-the kernel, and with a K split the XLA sum of its partials) divided by R -- what a launch costs
+the kernel) divided by R -- what a launch costs
 inside the model's CUDA graphs. Wall time: ``timing.median_seconds`` over 20 executions divided
 by R; outside graphs each custom call also costs host time, which the wall column shows. Floor =
 weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 GiB device

@@ -24,11 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, FP8_ACTIVATION_ALGORITHMS,
+from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, FP8_CODE_ALGORITHMS,
                                                   WEIGHT_FORMATS, GroupedGemmSm90Config,
                                                   choose_config, num_tile_slots,
                                                   warp_scale_group)
-from .grouped_gemm_reference import swiglu
 from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
@@ -169,10 +168,10 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
     """One launch: sorted rows ``xs`` [M, K] bf16 times their groups' ``weight`` [G, N, .]
     -> [M, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue).
     ``tiles``: ``(tile_group, tile_row0, tile_rows)``; rows outside every tile are left
-    unwritten. FP8-activation algorithms: ``xs`` are e4m3 codes and ``x_scale`` [M, K / 128]
-    f32 their scales (``quant.act_quant``). A K split (``config.split_k`` > 1) adds the
-    kernel's f32 partial sums here, then rounds (and gates, with the kernel epilogue's
-    rounding points) in XLA."""
+    unwritten. Algorithms that take codes (``takes_fp8_codes``): ``xs`` are e4m3 codes and
+    ``x_scale`` [M, K / 128] f32 their scales (``quant.act_quant``); "mma_fp8" takes the bf16
+    rows and quantises them itself. A K split (``config.split_k`` > 1) is added up inside
+    the launch (a cluster per tile)."""
     # Imported when a kernel is emitted, so that the reference path never loads cutlass;
     # cute_call first: it pins CUTE_DSL_ARCH before cutlass is imported.
     from .cute_call import cute_call
@@ -184,44 +183,40 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
     w_a, s_a = _as_bytes(weight, scale)
     w_b, s_b = _as_bytes(weight_b, scale_b) if gated else (w_a, s_a)
     rw = route_w.astype(jnp.float32) if gated else jnp.zeros((1,), jnp.float32)
-    fp8_x = config.algorithm in FP8_ACTIVATION_ALGORITHMS
+    fp8_x = config.algorithm in FP8_CODE_ALGORITHMS
     if fp8_x != (x_scale is not None) or fp8_x != (xs.dtype == jnp.float8_e4m3fn):
         raise ValueError(f"grouped_gemm launch: algorithm {config.algorithm!r} with xs "
                          f"{xs.dtype} and x_scale {None if x_scale is None else x_scale.shape}"
-                         f" (e4m3 codes + scales for {FP8_ACTIVATION_ALGORITHMS} only)")
+                         f" (e4m3 codes + scales for {FP8_CODE_ALGORITHMS} only)")
     if fp8_x:
         xs = jax.lax.bitcast_convert_type(xs, jnp.uint8)
         x_scale = x_scale.astype(jnp.float32)
     else:
         x_scale = jnp.zeros((1,), jnp.float32)
-    n_out, split = weight.shape[1], config.split_k
-    out = (jax.ShapeDtypeStruct((xs.shape[0], n_out), jnp.bfloat16) if split == 1 else
-           jax.ShapeDtypeStruct((split, xs.shape[0], (2 if gated else 1) * n_out), jnp.float32))
+    out = jax.ShapeDtypeStruct((xs.shape[0], weight.shape[1]), jnp.bfloat16)
     (y,) = cute_call(kernel.grouped_gemm_launcher, (out,), xs, x_scale, tile_group, tile_row0,
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
                      block_n=config.block_n, num_stages=config.num_stages,
-                     algorithm=config.algorithm, split_k=split, ablation=config.ablation,
+                     algorithm=config.algorithm, split_k=config.split_k,
+                     ablation=config.ablation,
                      scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K))
-    if split == 1:
-        return y
-    y = jnp.sum(y, axis=0)              # a fixed-order reduction: repeatable bit for bit
-    if not gated:
-        return y.astype(jnp.bfloat16)
-    gate, up = y[:, :n_out].astype(jnp.bfloat16), y[:, n_out:].astype(jnp.bfloat16)
-    return (rw[:, None] * swiglu(gate, up, swiglu_limit)).astype(jnp.bfloat16)
+    return y
 
 
 def quantized_rows(x, rows, config: GroupedGemmSm90Config, simulate: bool):
     """The kernel's operands for the rows ``x[rows]`` (``rows`` None: all, in order): e4m3
-    codes and their scales for the FP8-activation algorithms, else bf16 values (the FP8
-    simulation's exact products when ``simulate``). The quantisation is per row, so it runs
-    on ``x`` before the gather."""
+    codes and their scales for the algorithms that take them (``FP8_CODE_ALGORITHMS``), the
+    rows as they are for "mma_fp8" (it quantises them itself) and without the simulation,
+    else the FP8 simulation's exact products in bf16. The quantisation is per row, so it
+    runs on ``x`` before the gather."""
     take = (lambda a: a) if rows is None else (lambda a: a[rows])
-    if config.algorithm in FP8_ACTIVATION_ALGORITHMS:
+    if config.algorithm in FP8_CODE_ALGORITHMS:
         codes, scales = quant.act_quant(x)
         return take(codes), take(scales)
-    xq = quant.act_quant_dequant(x).astype(jnp.bfloat16) if simulate else x
+    quantized_in_kernel = config.spec.quantizes_tokens
+    xq = (quant.act_quant_dequant(x).astype(jnp.bfloat16)
+          if simulate and not quantized_in_kernel else x)
     return take(xq), None
 
 

@@ -13,8 +13,9 @@ the same arguments and outputs; ``KERNELS`` is their table:
 | ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
 | ``"mma_fp8_stream"`` | ``grouped_gemm_sm90_mma_fp8_stream`` | decode (8 rows) | "mma_fp8" with the weights loaded straight into registers (no shared-memory ring, no barrier per K block) |
 
-The FP8 kernels take the activations as e4m3 codes and per-(row, 128 columns) scales
-(``quant.act_quant``), so they need FP4/FP8 weights and the FP8 activation simulation.
+The FP8 kernels multiply the activations as e4m3 codes and per-(row, 128 columns) scales
+(``quant.act_quant``), so they need FP4/FP8 weights and the FP8 activation simulation;
+"mma_fp8" quantises the bf16 rows itself, the others take the codes.
 Measurements of each (and the crossovers ``choose_config`` uses): docs/performance.md.
 
 The JAX side consults ``GroupedGemmSm90Config.is_supported`` before it imports CuTe DSL.
@@ -30,7 +31,7 @@ SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
-MAX_SPLIT_K = 16
+MAX_SPLIT_K = 8          # the splits of a tile are one cluster (portable size: 8)
 FP8_WGMMA_MAX_BLOCK_N = 64     # registers: 2 x 2 block accumulators + 2 accumulators
 # "mma_sync": 4 warps per CTA, 16 weight rows each (the MMA's M); lane 4g + t holds rows g
 # and g + 8 and, of every K block of 128, the 32 columns [32t, 32t + 32) (one FP4 scale
@@ -53,7 +54,9 @@ class KernelSpec:
 
     module / class_name: where the CuTe DSL class lives (``kernels/<module>.py``).
     tiles: ``"decode"`` (8-row tiles only) or ``"any"`` (block_n a multiple of 8).
-    fp8_activations: takes e4m3 token codes + f32 scales instead of bf16 rows.
+    fp8_activations: multiplies FP8-quantised activations (``quant.act_quant``: the FP8
+      simulation must be on): e4m3 token codes + f32 scales instead of bf16 rows, unless
+      ``quantizes_tokens``.
     weight_formats: the ``quant.WeightFormat`` names it reads.
     max_block_n: the largest tile of token rows (gated launch) its registers allow.
     split_k: offers the K split (grid z, f32 partial sums).
@@ -61,6 +64,8 @@ class KernelSpec:
       several joined by "+"); outputs are then wrong by design.
     min_stages: the least ``num_stages`` (a ring needs two stages; "mma_fp8_stream" reads it
       as K blocks per batch of register loads, so one will do).
+    quantizes_tokens: takes the bf16 rows and quantises them itself (the official 1 x 128
+      blocks, exactly ``quant.act_quant``), so no XLA launch quantises them first.
     """
     algorithm: str
     module: str
@@ -72,6 +77,7 @@ class KernelSpec:
     split_k: bool
     ablations: tuple[str, ...]
     min_stages: int = 2
+    quantizes_tokens: bool = False
 
 
 KERNELS = {spec.algorithm: spec for spec in (
@@ -83,7 +89,7 @@ KERNELS = {spec.algorithm: spec for spec in (
                ("no_load", "no_token_load", "no_scale_load", "no_dequant", "no_mma")),
     KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
-               ("no_load", "no_token_load", "no_dequant", "no_mma")),
+               ("no_load", "no_dequant", "no_mma"), quantizes_tokens=True),
     KernelSpec("mma_fp8_stream", "grouped_gemm_sm90_mma_fp8_stream",
                "GroupedGemmMmaFp8StreamSm90", "decode", True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_mma"), min_stages=1),
@@ -93,8 +99,11 @@ KERNELS = {spec.algorithm: spec for spec in (
 ALGORITHMS = tuple(KERNELS)
 WARP_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.tiles == "decode")
 PREFILL_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.tiles == "any")
-# Algorithms that take e4m3 token codes + per-128 scales (quant.act_quant) instead of bf16.
+# Algorithms that multiply FP8-quantised activations (they need the FP8 simulation), and
+# those of them that take e4m3 token codes + per-128 scales (quant.act_quant), not bf16 rows.
 FP8_ACTIVATION_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.fp8_activations)
+FP8_CODE_ALGORITHMS = tuple(a for a, s in KERNELS.items()
+                            if s.fp8_activations and not s.quantizes_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +113,8 @@ class GroupedGemmSm90Config:
     block_n: token rows per tile (the MMA's N; a multiple of 8, at most 256).
     num_stages: depth of the copy pipeline of raw weight bytes + token rows.
     algorithm: the kernel (``KERNELS``).
-    split_k: K split over this many CTAs per tile (grid z), each writing f32 partial sums
-      ``[split_k, rows, mats * N]`` that the op adds (and gates) in XLA; kernels with
+    split_k: K split over this many CTAs per tile (grid z, one cluster), which add their f32
+      sums in distributed shared memory before the epilogue; kernels with
       ``KernelSpec.split_k``.
     ablation: benchmark-only stages left out, joined by "+" (the spec's ``ablations``);
       the outputs are then wrong by design.
@@ -263,12 +272,16 @@ def warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
 FP8_TOKEN_STAGE_BYTES = WARP_TOKENS * BLOCK_K + WARP_TOKENS * 4
 
 
+# "mma_fp8" quantises its bf16 token rows one K block ahead into two such stages.
+FP8_TOKEN_BUFFERS = 2
+
+
 def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
-    """"mma_fp8": per CTA, a ring of ``num_stages`` stages (each warp's weight rows + the
-    shared token codes and scales) and every warp's scale buffers."""
+    """"mma_fp8": per CTA, the two token stages it quantises into, a ring of ``num_stages``
+    stages of each warp's weight rows and every warp's scale buffers."""
     mats = 2 if gated else 1
     weights = WARP_COUNT * mats * WARP_ROWS * ROW_BYTES[weight_format]
-    return (num_stages * (weights + FP8_TOKEN_STAGE_BYTES)
+    return (FP8_TOKEN_BUFFERS * FP8_TOKEN_STAGE_BYTES + num_stages * weights
             + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
 
 

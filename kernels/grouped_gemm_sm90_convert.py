@@ -307,3 +307,69 @@ def gated_output(acc_gate: Float32, acc_up: Float32, route_w: Float32,
         gate = cute.arch.fmin(gate, Float32(limit))
     silu = gate / (Float32(1.0) + cute.math.exp2(-gate * LOG2_E))
     return route_w * (silu * up)
+
+
+# The official activation quantisation's constants as f32 bits: the amax floor 1e-4 and
+# 1 / 448 (quant.act_quant: scale = 2^ceil(log2(max(amax, 1e-4) * f32(1 / 448)))).
+ACT_AMAX_FLOOR_BITS = 0x38D1B717
+ACT_INV_FP8_MAX_BITS = 0x3B124925
+
+
+@dsl_user_op
+def bf16x8_abs_max_bits(words, *, loc=None, ip=None) -> Int32:
+    """The largest |x| of four bf16x2 words as f32 bits: magnitudes of non-negative floats
+    order as integers, so it is an integer max of the values' bits without their signs."""
+    text = ("{\n.reg .b32 lo, hi, m;\n"
+            "mov.b32 $0, 0;\n"
+            + "".join(f"shl.b32 lo, ${1 + i}, 16;\n"
+                      f"and.b32 lo, lo, 0x7FFFFFFF;\n"
+                      f"and.b32 hi, ${1 + i}, 0x7FFF0000;\n"
+                      "max.u32 m, lo, hi;\n"
+                      "max.u32 $0, $0, m;\n" for i in range(4))
+            + "}")
+    return Int32(_asm(1, list(words), text, "=r,r,r,r,r", loc, ip))
+
+
+@dsl_user_op
+def act_scale_bits(amax_bits: Int32, *, loc=None, ip=None):
+    """``(scale, 1 / scale)`` as f32 bits for a block whose largest |x| has bits
+    ``amax_bits``: scale = 2^ceil(log2(max(amax, 1e-4) * f32(1/448))) from the product's
+    bits (exponent + 1 when a mantissa bit is set), exactly ``quant.pow2_ceil_scale``."""
+    text = ("{\n.reg .f32 a, t;\n.reg .b32 b, e, m;\n"
+            "mov.b32 a, $2;\n"
+            f"max.f32 a, a, 0f{ACT_AMAX_FLOOR_BITS:08X};\n"
+            f"mul.rn.f32 t, a, 0f{ACT_INV_FP8_MAX_BITS:08X};\n"
+            "mov.b32 b, t;\n"
+            "shr.u32 e, b, 23;\n"
+            "and.b32 e, e, 0xFF;\n"
+            "and.b32 m, b, 0x7FFFFF;\n"
+            "min.u32 m, m, 1;\n"
+            "add.u32 e, e, m;\n"
+            "shl.b32 $0, e, 23;\n"
+            "mov.b32 m, 254;\n"
+            "sub.u32 e, m, e;\n"
+            "shl.b32 $1, e, 23;\n}")
+    res = _asm(2, [amax_bits], text, "=r,=r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+@dsl_user_op
+def bf16x8_to_e4m3x8(words, inv_scale_bits: Int32, *, loc=None, ip=None):
+    """Four bf16x2 words (8 values, lowest first) times the power of two ``1 / scale``
+    (exact) -> two words of e4m3 codes in the same order, round to nearest even and
+    saturated to +-448: ``quant.act_quant``'s codes (|x / scale| <= 448 by the scale)."""
+    text = ("{\n.reg .b32 lo, hi;\n.reg .f32 flo, fhi, inv;\n.reg .b16 h0, h1, h2, h3;\n"
+            "mov.b32 inv, $6;\n"
+            + "".join(f"shl.b32 lo, ${2 + i}, 16;\n"
+                      f"and.b32 hi, ${2 + i}, 0xFFFF0000;\n"
+                      "mov.b32 flo, lo;\n"
+                      "mov.b32 fhi, hi;\n"
+                      "mul.rn.f32 flo, flo, inv;\n"
+                      "mul.rn.f32 fhi, fhi, inv;\n"
+                      f"cvt.rn.satfinite.e4m3x2.f32 h{i}, fhi, flo;\n" for i in range(4))
+            + "mov.b32 $0, {h0, h1};\n"
+            "mov.b32 $1, {h2, h3};\n}")
+    res = _asm(2, [*words, inv_scale_bits], text, "=r,=r,r,r,r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))

@@ -2,10 +2,9 @@
 
 Same launcher, tiles, copies pipeline and epilogue as ``grouped_gemm_sm90_mma_sync`` ("mma_sync"), for FP4
 and FP8 expert weights with the FP8 activation simulation on (the official numerics): the
-activations arrive already quantised -- e4m3 codes ``x`` [rows, K] (uint8) and f32 scales
-``x_scale`` [rows, K / 128], one per token and K block of 128 (``quant.act_quant``) -- and
-the warps run ``mma.sync.m16n8k32`` on e4m3 operands, so that the weights need no bf16
-conversion:
+bf16 activations ``x`` [rows, K] are quantised in the kernel -- e4m3 codes and one f32
+scale per token and K block of 128, bit for bit ``quant.act_quant`` -- and the warps run
+``mma.sync.m16n8k32`` on e4m3 operands, so that the weights need no bf16 conversion:
 
 * FP4: 8 codes per 32-bit word become two words of e4m3 codes in 7 integer instructions
   (``fp4x8_to_e4m3x8``: each code's value x 2^-6, exact; ~21 instructions per 8 codes to
@@ -22,15 +21,17 @@ rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sy
 weights by lane 4g + t (16-byte units t (FP4) or t, 4 + t (FP8: whole sectors per copy
 instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's
 stage (``grouped_gemm_config.fp8_warp_unit``);
-token codes by threads 0-63 (one 16-byte unit each) and token scales by threads 64-71 into
-the CTA's stage; weight scales every ``scale_group`` K blocks into the warp's buffers.
+weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens: thread
+16 r + u loads 8 bf16 of tile row r (columns 8u ..) of K block kb + 2 into registers and,
+a block later, quantises them into the codes + scales stage of kb + 1 (two stages; the
+half warp of a row finds its largest |x| by shuffles): ``k_loop``.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
 of the 8 go to those columns directly, for weights and tokens alike.
 
 Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8. Ablations
-(benchmarks only, outputs wrong by design): no_load, no_token_load, no_dequant (FP4 codes
+(benchmarks only, outputs wrong by design): no_load, no_dequant (FP4 codes
 multiplied as they are), no_mma (conversion kept, the MMAs replaced by one integer op).
 Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
 cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
@@ -41,11 +42,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES, WARP_COUNT, WARP_ROWS,
-                       WARP_SCALE_BUFFER_BYTES, WARP_TOKENS, GroupedGemmSm90Config,
+from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_BUFFERS, FP8_TOKEN_STAGE_BYTES, ROW_BYTES,
+                       WARP_COUNT, WARP_ROWS, WARP_TOKENS, GroupedGemmSm90Config,
                        fp8_warp_smem_bytes, fp8_warp_unit, warp_copy_unit)
-from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, cp_async_atom, e8m0_f32,
-                               fp4x8_to_e4m3x8, mma_m16n8k32_e4m3)
+from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_to_e4m3x8,
+                               byte_perm, e8m0_f32, fp4x8_to_e4m3x8, load_global_words,
+                               mma_m16n8k32_e4m3)
 from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
 
 FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
@@ -59,15 +61,83 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         if weight_format not in ("fp4", "fp8"):
             raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
         super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
-        # Shared memory: [token ring][weight ring: stage-major, then warp][scale buffers].
+        # Shared memory: [2 token stages][weight ring: stage-major, then warp][scale buffers].
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
-        self.weights_offset = self.num_stages * FP8_TOKEN_STAGE_BYTES
+        self.weights_offset = FP8_TOKEN_BUFFERS * FP8_TOKEN_STAGE_BYTES
         self.scales_offset = self.weights_offset + self.num_stages * WARP_COUNT * (
             self.warp_stage_bytes)
         self.smem_bytes = fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
 
     def token_stage(self, base, kb):
-        return base + (kb % self.num_stages) * FP8_TOKEN_STAGE_BYTES
+        """The codes and scales of K block ``kb``: one of two stages, quantised one block
+        ahead (``k_loop``)."""
+        return base + (kb % FP8_TOKEN_BUFFERS) * FP8_TOKEN_STAGE_BYTES
+
+    @cute.jit
+    def k_loop(self, acc: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
+               mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
+               m_tile: Int32, w_row: Int32, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
+               base: Int32, warp: Int32, tidx: Int32):
+        """K blocks [kb0, kb1) into ``acc``: the weights' cp.async ring with one CTA barrier
+        per K block, as "mma_sync"; the token rows of block kb + 1 are quantised into their
+        stage while block kb is multiplied, from registers loaded one block earlier still
+        (their latency hides behind a block's MMAs). The barrier of block kb orders both:
+        kb's codes are written, and kb - 1's stage (= kb + 1's) is no longer read."""
+        lane = tidx % 32
+        for s in cutlass.range_constexpr(self.num_stages - 1):
+            if kb0 + s < kb1:
+                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                           rows, kb0 + s, base, warp, tidx)
+            cute.arch.cp_async_commit_group()
+        x_words = self.load_tokens(mX, row0, rows, kb0, tidx)
+        self.quantize_tokens(x_words, self.token_stage(base, kb0), tidx)
+        if kb0 + 1 < kb1:
+            x_words = self.load_tokens(mX, row0, rows, kb0 + 1, tidx)
+        for kb in cutlass.range(kb0, kb1, unroll=1):
+            cute.arch.cp_async_wait_group(self.num_stages - 2)
+            cute.arch.barrier()
+            ahead = kb + self.num_stages - 1
+            if ahead < kb1:
+                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                           rows, ahead, base, warp, tidx)
+            cute.arch.cp_async_commit_group()
+            if kb + 1 < kb1:
+                self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
+                if kb + 2 < kb1:
+                    x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
+            self.compute(acc, base, kb, warp, lane)
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def load_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32, tidx: Int32):
+        """Thread tidx's 8 bf16 of K block ``kb``: columns 8 u .. 8 u + 7 of tile row r
+        (u = tidx % 16, r = tidx / 16; rows past the tile's count read its first row, whose
+        outputs are never written), as four bf16x2 words."""
+        r, unit = tidx // 16, tidx % 16
+        x_row = row0 + r
+        if r >= rows:
+            x_row = row0
+        k_in = mX.shape[1]
+        src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
+        return load_global_words(src, 4)
+
+    @cute.jit
+    def quantize_tokens(self, x_words, stage: Int32, tidx: Int32):
+        """The official 1 x 128 activation quantisation of one K block of the tile's rows
+        (``quant.act_quant``, bit for bit): each half warp holds a row, takes its largest
+        |x| by shuffles, and every thread writes the e4m3 codes of its 8 columns; the
+        row's first thread writes the f32 scale."""
+        r, unit = tidx // 16, tidx % 16
+        amax = bf16x8_abs_max_bits(x_words)
+        for offset in (8, 4, 2, 1):
+            other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
+            amax = other if other > amax else amax
+        scale, inverse = act_scale_bits(amax)
+        codes = bf16x8_to_e4m3x8(x_words, inverse)
+        dst = stage + r * BLOCK_K + fp8_warp_unit("tokens", r, unit // 2) * 16 + 8 * (unit % 2)
+        _store_words2(dst, codes)
+        if unit == 0:
+            _store_words2(stage + WARP_TOKENS * BLOCK_K + r * 4, (scale,))
 
     def weight_slot(self, stage, mat, half, chunk, lane):
         """Row-major rows of the warp's stage, units swizzled (``fp8_warp_unit``): the lanes
@@ -85,38 +155,18 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
               mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32,
               row0: Int32, rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
-        """This thread's cp.async copies of K block ``kb`` (see the module docstring)."""
+        """This thread's cp.async copies of K block ``kb``: weights and their scales (the
+        tokens are loaded and quantised by ``k_loop``)."""
         lane = tidx % 32
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
         num_k = k_in // BLOCK_K
-        copy_16, word_4 = cp_async_atom(16, bypass_l1=True), cp_async_atom(4)
-        # Ablations: weights or tokens copied only for the first stages (stale bytes are
-        # still multiplied).
-        first_stages = kb < self.num_stages
-        load = first_stages if const_expr(self.leaves_out("no_load")) else True
-        load_tokens = first_stages if const_expr(self.leaves_out("no_token_load")) else True
+        # Ablation: weights copied only for the first stages (stale bytes are still
+        # multiplied).
+        load = kb < self.num_stages if const_expr(self.leaves_out("no_load")) else True
         if load:
             self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in,
                                lane)
-        tokens = self.token_stage(base, kb)
-        if load_tokens:
-            if tidx < WARP_TOKENS * BLOCK_K // 16:
-                # Token codes: thread tidx copies unit tidx % 8 of tile row tidx // 8.
-                r, unit = tidx // 8, tidx % 8
-                x_row = row0 + r
-                if r >= rows:
-                    x_row = row0
-                src = mX.iterator.toint() + x_row.to(Int64) * k_in + kb * BLOCK_K + 16 * unit
-                copy_bytes(copy_16, 16, src, tokens + r * BLOCK_K
-                           + fp8_warp_unit("tokens", r, unit) * 16)
-            elif tidx < WARP_TOKENS * BLOCK_K // 16 + WARP_TOKENS:
-                r = tidx - WARP_TOKENS * BLOCK_K // 16
-                x_row = row0 + r
-                if r >= rows:
-                    x_row = row0
-                src = mXs.iterator.toint() + (x_row.to(Int64) * num_k + kb) * 4
-                copy_bytes(word_4, 4, src, tokens + WARP_TOKENS * BLOCK_K + r * 4)
         if kb % self.scale_group == 0:
             self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
                               self.scale_buffer(base, kb, warp), lane)
@@ -222,3 +272,12 @@ def _load_words2(addr):
 def _load_f32x2(addr):
     return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem,
                                           assumed_align=8), cute.make_layout((2,))).load()
+
+
+def _store_words2(addr, words):
+    """One or two 32-bit words to a shared-memory address aligned to their size."""
+    dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.smem,
+                                         assumed_align=4 * len(words)),
+                           cute.make_layout((len(words),)))
+    for i in range(len(words)):
+        dst[i] = words[i]

@@ -41,9 +41,10 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
 
 K split (``config.split_k`` > 1, grid z; the op takes it for at most two tiles of rows):
-CTA z runs K blocks [z p, z p + p) (``grouped_gemm_config.split_k_blocks``: whole scale groups) and
-writes its raw f32 sums ``out[z, row, mat * N + n]``; the op adds the splits and applies
-the SwiGLU in XLA.
+CTA z runs K blocks [z p, z p + p) (``grouped_gemm_config.split_k_blocks``: whole scale
+groups); the split_k CTAs of a tile are one thread-block cluster, and CTA 0 adds the
+others' f32 sums from their shared memory, in split order, before its epilogue
+(``add_splits``): no partial sums leave the SMs, no second launch adds them.
 
 Constraints: as the WGMMA kernel (K a multiple of 128, output features of 64, FP8 scale
 words of 4 bytes), block_n = 8, and ``scale_group`` = ``warp_scale_group`` of the input
@@ -64,6 +65,7 @@ from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_
                        warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
+from .sm90_primitives import load_cluster_f32x4, store_shared_f32x4
 
 NUM_THREADS = 32 * WARP_COUNT
 STEPS = 4                     # MMA steps (K = 32 each: 8 columns per lane) per K block
@@ -114,9 +116,15 @@ class GroupedGemmMmaSyncSm90:
 
         self.shared_storage = SharedStorage
         n_out = mWa.shape[1]
-        self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mXs,
-                    mOut).launch(grid=[n_out // BLOCK_M, mTileExpert.shape[0], self.split_k],
-                                 block=[NUM_THREADS, 1, 1], stream=stream)
+        grid = [n_out // BLOCK_M, mTileExpert.shape[0], self.split_k]
+        launched = self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
+                               mXs, mOut)
+        if const_expr(self.split_k > 1):
+            # The splits of a tile are one cluster: they add their sums in shared memory.
+            launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], cluster=[1, 1, self.split_k],
+                            stream=stream)
+        else:
+            launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -142,7 +150,34 @@ class GroupedGemmMmaSyncSm90:
             self.k_loop(acc, mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows,
                         kb0, kb1, base, warp, tidx)
             self.finish(acc)
-            self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc, split)
+            if const_expr(self.split_k > 1):
+                self.add_splits(acc, base, split, tidx)
+                if split == 0:
+                    self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
+            else:
+                self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
+
+    @cute.jit
+    def add_splits(self, acc: cute.Tensor, base: Int32, split: Int32, tidx: Int32):
+        """K split: the cluster's CTA 0 adds the other splits' sums to ``acc``, in split
+        order (repeatable bit for bit). Each CTA leaves its sums at the start of its ring
+        (every warp is done with it after the CTA barrier); CTA 0 reads them through
+        distributed shared memory between two cluster barriers (the second keeps the
+        others resident until it has read them)."""
+        cute.arch.barrier()
+        own = base + tidx * (16 * self.mats)
+        for mat in cutlass.range_constexpr(self.mats):
+            store_shared_f32x4(own + 16 * mat, [acc[4 * mat + j] for j in range(4)])
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        if split == 0:
+            for z in cutlass.range_constexpr(1, self.split_k):
+                for mat in cutlass.range_constexpr(self.mats):
+                    part = load_cluster_f32x4(own + 16 * mat, Int32(z))
+                    for j in cutlass.range_constexpr(4):
+                        acc[4 * mat + j] = acc[4 * mat + j] + part[j]
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
 
     @cute.jit
     def k_loop(self, acc: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
@@ -349,20 +384,15 @@ class GroupedGemmMmaSyncSm90:
 
     @cute.jit
     def epilogue(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, warp: Int32,
-                 row0: Int32, rows: Int32, lane: Int32, acc: cute.Tensor, split: Int32):
-        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated); with
-        a K split, the f32 partial sums of each matrix: ``mOut[split, row, mat * N + n]``."""
+                 row0: Int32, rows: Int32, lane: Int32, acc: cute.Tensor):
+        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated)."""
         g, t = lane // 4, lane % 4
         col0 = m_tile * BLOCK_M + warp * WARP_ROWS + g
         for j in cutlass.range_constexpr(4):
             n = 2 * t + j % 2                    # token row of accumulator j
             col = col0 + 8 * (j // 2)            # weight row = output feature
             if n < rows:
-                if const_expr(self.split_k > 1):
-                    for mat in cutlass.range_constexpr(self.mats):
-                        mOut[split, row0 + n, mat * (mOut.shape[2] // self.mats) + col] = (
-                            acc[4 * mat + j])
-                elif const_expr(self.gated):
+                if const_expr(self.gated):
                     h = gated_output(acc[j], acc[4 + j], mRw[row0 + n], self.swiglu_limit)
                     mOut[row0 + n, col] = h.to(self.dtype)
                 else:

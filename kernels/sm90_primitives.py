@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Int32, Int64
-from cutlass._mlir.dialects import nvvm
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 @dsl_user_op
@@ -38,3 +38,30 @@ def copy16(atom: cute.CopyAtom, dtype: cute.typing.Type, addr: Int64, dst: cute.
     src = cute.make_tensor(cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=16),
                            cute.make_layout((128 // dtype.width,)))
     cute.copy(atom, src, dst)
+
+
+@dsl_user_op
+def store_shared_f32x4(addr: Int32, values, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.f32``: four f32 ``values`` at the 16-byte aligned shared address
+    ``addr``."""
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)]
+                    + [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+                    "st.shared.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f,~{memory}",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_cluster_f32x4(addr: Int32, rank: Int32, *, loc=None, ip=None):
+    """Four f32 at shared address ``addr`` of the cluster's CTA ``rank`` (``mapa`` +
+    ``ld.shared::cluster.v4``). Ordered after the cluster barrier it follows (side effects):
+    the remote CTA's stores before its arrive are then visible."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $4, $5;\n"
+        "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [remote];\n}",
+        "=f,=f,=f,=f,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))

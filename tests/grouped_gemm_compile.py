@@ -37,12 +37,10 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
                "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
     slots = dyn(support.num_tile_slots(a, e, config.block_n))
-    fp8_x = config.algorithm in support.FP8_ACTIVATION_ALGORITHMS   # e4m3 codes + f32 scales
+    fp8_x = config.algorithm in support.FP8_CODE_ALGORITHMS     # e4m3 codes + f32 scales
     x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
     x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
-    # A K split writes f32 partial sums [split, rows, mats * N].
-    out = (fake(bf16, (a_, n_)) if config.split_k == 1 else
-           fake(cutlass.Float32, (config.split_k, a_, dyn((2 if gated else 1) * n))))
+    out = fake(bf16, (a_, n_))
     return cute.compile(kernel.grouped_gemm_launcher, make_fake_stream(), x, x_scale,
                         fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
                         *weights, *weights, fake(cutlass.Float32, (a_,)), out,

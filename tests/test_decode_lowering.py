@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import dsv4_jax as dj
 from dsv4_jax.ffi import dispatch
-from dsv4_jax.ffi.policy import KernelPolicy
+from dsv4_jax.ffi.policy import GroupedGemmPolicy, KernelPolicy
 from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
@@ -90,3 +90,22 @@ def test_every_mhc_split_is_one_kernel_launch():
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla"}
     assert kernel_launches(_lower(KernelPolicy(ops=others))) == 2 * CFG.n_layers
     assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"hc_split_sinkhorn": "xla"}))
+
+
+_TO_FP8 = re.compile(r"stablehlo\.convert %\S+ : \(tensor<([0-9x]+)xf32>\) -> "
+                     r"tensor<[0-9x]+xf8E4M3FN>")
+
+
+def fp8_quantisations(text: str) -> list[str]:
+    """Shapes of the f32 -> e4m3 converts of ``text`` (each an FP8 quantisation in XLA)."""
+    return _TO_FP8.findall(text)
+
+
+def test_decode_step_quantises_no_activation_outside_the_kernels():
+    """"mma_fp8" quantises its bf16 rows itself (the official 1 x 128 blocks): the only FP8
+    quantisations left in XLA are the KV entries' simulation (blocks of 64). With the
+    algorithm that takes codes ("mma_fp8_stream") the activations' 128-blocks are there."""
+    blocks = lambda text: {shape.split("x")[-1] for shape in fp8_quantisations(text)}  # noqa
+    assert blocks(_lower(None)) == {"64"}
+    stream = KernelPolicy(grouped_gemm=GroupedGemmPolicy(decode_algorithm="mma_fp8_stream"))
+    assert "128" in blocks(_lower(stream))

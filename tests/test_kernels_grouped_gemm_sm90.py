@@ -463,9 +463,10 @@ def test_compiles_for_sm90a(compiled, variant):
     else:
         mma = re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16", ptx)
         # A cp.async ring behind one CTA barrier per K block: no mbarriers, no WGMMA, and
-        # only 16-byte copies that bypass L1 (FP4 scale rows of 16 bytes at this K).
+        # only 16-byte copies that bypass L1 (FP4 scale rows of 16 bytes at this K); a K
+        # split adds one barrier before its sums go to shared memory.
         assert "cp.async.wait_group" in ptx and "cp.async.commit_group" in ptx
-        assert ptx.count("bar.sync") == 1
+        assert ptx.count("bar.sync") == (2 if config.split_k > 1 else 1)
         assert "wgmma" not in ptx and "mbarrier" not in ptx
         copies = re.findall(r"cp\.async\.(c[ag])\.shared\.global(?:\.\S+)? \[[^]]+\], "
                             r"\[[^]]+\], (\d+)", ptx)
@@ -473,9 +474,13 @@ def test_compiles_for_sm90a(compiled, variant):
                               if fmt != "fp8"), copies
     assert len(mma) == 8 * (2 if gated else 1)
     if config.algorithm == "mma_sync":
-        # K split: raw f32 partial sums, no SwiGLU (its exp2) in the kernel.
+        # K split: the cluster's CTA 0 adds the others' sums through distributed shared
+        # memory (no f32 partial sums to global memory) and runs the epilogue, SwiGLU too.
         split = config.split_k > 1
-        assert ("st.global.b32" in ptx) == split and ("ex2" in ptx) == (gated and not split)
+        assert "st.global.b32" not in ptx and ("ex2" in ptx) == gated
+        assert (ptx.count("mapa.shared::cluster") == (config.split_k - 1) * (2 if gated else 1)
+                if split else "mapa" not in ptx)
+        assert ptx.count("barrier.cluster.arrive") == (2 if split else 0)
     conversions = {"fp4": "prmt.b32", "fp8": "mul.rn.bf16x2", "bf16": None}[fmt]
     if conversions:
         assert conversions in ptx
@@ -486,14 +491,19 @@ def test_compiles_for_sm90a(compiled, variant):
                                          ("fp4", False, 384)])
 def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
     """"mma_fp8": FP8 tensor-core MMAs (4 per matrix and K block), the FP4 conversion by
-    shifts (no bf16 conversion, no bf16 multiply), one CTA barrier per K block."""
+    shifts (no bf16 conversion, no bf16 multiply), one CTA barrier per K block; the bf16
+    token rows quantised in the kernel (the prologue's block and the loop's: 4 conversions
+    of two e4m3 codes each, a row's largest |x| over 16 lanes), loaded into registers."""
     config = support.choose_config(8, 4, fmt, decode_algorithm="mma_fp8")
-    assert config.algorithm == "mma_fp8"
+    assert config.algorithm == "mma_fp8" and config.split_k == 1
     compiled = _compile(fmt, gated, config, k=k)
     ptx = compiled.artifacts.PTX
     mma = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
     assert len(mma) == 4 * (2 if gated else 1)
     assert "mul.rn.bf16x2" not in ptx and "wgmma" not in ptx and ptx.count("bar.sync") == 1
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * 4
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 2 * 4
+    assert len(re.findall(r"ld\.global\.nc\S*\.v4", ptx)) == 3       # blocks kb0, kb0 + 1, kb + 2
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="GroupedGemmMmaFp8Sm90"):
         _compile("bf16", gated, dataclasses.replace(config, num_stages=3), k=k)
@@ -544,22 +554,33 @@ def test_mma_fp8_falls_back_where_it_does_not_apply():
         support.GroupedGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_scale_load")
 
 
-def test_grouped_gemm_takes_fp8_activations_exactly_for_mma_fp8():
+def test_grouped_gemm_takes_fp8_codes_exactly_where_the_kernel_reads_them():
     """The launch wrapper refuses activations that do not match the algorithm, before any
-    kernel is built: "mma_fp8" takes e4m3 codes and their scales, the others bf16 rows."""
+    kernel is built: "mma_fp8_stream" takes e4m3 codes and their scales, the others
+    ("mma_fp8", which quantises in the kernel, too) bf16 rows; the op hands "mma_fp8" the
+    rows as they are and "mma_fp8_stream" ``quant.act_quant``'s codes."""
     e, n, k, rows = 2, 64, 256, 8
     w = jnp.zeros((e, n, k // 2), jnp.uint8)
     s = jnp.zeros((e, n, k // 32), jnp.uint8)
     tiles = tuple(gemm.schedule(jnp.zeros((rows,), jnp.int32), e, 8)[2:])
+    assert support.FP8_CODE_ALGORITHMS == ("mma_fp8_stream", "wgmma_fp8")
+    stream = support.GroupedGemmSm90Config(block_n=8, num_stages=4,
+                                           algorithm="mma_fp8_stream")
     fp8 = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
-    bf16_rows = jnp.zeros((rows, k), jnp.bfloat16)
+    bf16_rows = jnp.linspace(-3, 3, rows * k).reshape(rows, k).astype(jnp.bfloat16)
     codes, scales = quant.act_quant(bf16_rows)
-    with pytest.raises(ValueError,
-                       match="grouped_gemm launch: algorithm 'mma_fp8' with xs bfloat16"):
-        gemm.launch(bf16_rows, tiles, w, s, config=fp8)
-    with pytest.raises(ValueError, match="algorithm 'mma_sync' with xs float8_e4m3fn"):
-        gemm.launch(codes, tiles, w, s, x_scale=scales,
-                    config=support.choose_config(rows, e, "fp4", decode_algorithm="mma_sync"))
+    with pytest.raises(ValueError, match="grouped_gemm launch: algorithm 'mma_fp8_stream' "
+                                         "with xs bfloat16"):
+        gemm.launch(bf16_rows, tiles, w, s, config=stream)
+    for config in (fp8, support.choose_config(rows, e, "fp4", decode_algorithm="mma_sync")):
+        with pytest.raises(ValueError, match=f"algorithm '{config.algorithm}' with xs "
+                                             "float8_e4m3fn"):
+            gemm.launch(codes, tiles, w, s, x_scale=scales, config=config)
+    xs, x_scale = gemm.quantized_rows(bf16_rows, None, fp8, simulate=True)
+    assert x_scale is None and xs is bf16_rows
+    xs, x_scale = gemm.quantized_rows(bf16_rows, None, stream, simulate=True)
+    np.testing.assert_array_equal(np.asarray(xs, np.float32), np.asarray(codes, np.float32))
+    np.testing.assert_array_equal(np.asarray(x_scale), np.asarray(scales))
 
 
 @pytest.mark.parametrize("k,group", [(384, 1), (768, 2)])

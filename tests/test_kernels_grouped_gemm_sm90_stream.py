@@ -47,7 +47,8 @@ def test_batches_fit_the_register_budget(fmt, gated, want):
                                                   ("fp4", True, 512, 1), ("fp4", False, 384, 1)])
 def test_compiles_for_sm90a(fmt, gated, k, split):
     """Weights by ``ld.global.nc`` into registers (no cp.async of weights: the only cp.async
-    are the token codes and scales), the MMAs of one batch of K blocks, two CTA barriers."""
+    are the token codes and scales), the MMAs of one batch of K blocks, two CTA barriers
+    (three with a K split)."""
     from grouped_gemm_compile import compile_variant
     config = support.choose_config(8, 4, fmt, decode_algorithm="mma_fp8_stream", split_k=split)
     assert config.algorithm == "mma_fp8_stream" and config.split_k == split
@@ -63,7 +64,10 @@ def test_compiles_for_sm90a(fmt, gated, k, split):
     assert ptx.count("ld.global.nc.L1::no_allocate.v2") == (batch * mats * 8
                                                             if fmt == "fp8" else 0)
     assert len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)) == 2
-    assert ptx.count("bar.sync") == 2 and "wgmma" not in ptx
+    # Two CTA barriers per token chunk; a K split one more before its sums go to shared
+    # memory, where the cluster's CTA 0 adds them.
+    assert ptx.count("bar.sync") == (3 if split > 1 else 2) and "wgmma" not in ptx
+    assert ptx.count("barrier.cluster.arrive") == (2 if split > 1 else 0)
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
     for ablation in ("no_load", "no_mma"):
         compile_variant(fmt, gated, support.GroupedGemmSm90Config(
@@ -128,3 +132,51 @@ def test_equals_mma_fp8_and_matches_the_reference(name):
         x, ids, w, arrays)
     cases.check_against_reference(_f32(got), _f32(want), 1e-2, again=_f32(again))
     np.testing.assert_array_equal(_f32(got), _f32(fp8))
+
+
+def _quantisation_edge_rows(rows: int, k: int) -> jax.Array:
+    """Rows whose 128-column blocks probe ``quant.act_quant``'s edges: an all-zero block (the
+    1e-4 amax floor), blocks of magnitudes 2^-40 .. 2^40, a block whose largest |x| is
+    exactly 448 times a power of two, and signs, subnormal bf16 values and ties of the e4m3
+    rounding (values halfway between two codes after the scale)."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    blocks = k // 128
+    for b in range(blocks):
+        view = x[:, 128 * b:128 * (b + 1)]
+        kind = b % 6
+        if kind == 0:
+            view[:] = 0.0
+        elif kind == 1:
+            view *= np.float32(2.0) ** rng.integers(-40, 40, (rows, 1))
+        elif kind == 2:
+            view[:, 0] = 448.0 * 2.0 ** -3
+            view[:, 1:] = np.clip(view[:, 1:], -50, 50)
+        elif kind == 3:
+            view *= np.float32(1e-39)                          # bf16 subnormals
+        elif kind == 4:                                        # halfway between e4m3 codes
+            view[:] = np.sign(view) * (1.0 + np.float32(1 / 16)) * 2.0 ** rng.integers(
+                -3, 3, view.shape)
+            view[:, 0] = 448.0
+    return jnp.asarray(x).astype(jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [1, 4])
+def test_in_kernel_quantisation_is_act_quant_at_its_edges(split):
+    """"mma_fp8" quantises the bf16 rows in the kernel; "mma_fp8_stream" multiplies
+    ``quant.act_quant``'s codes with the same MMAs and sums: outputs equal bit for bit on
+    rows built to hit the quantisation's edges, and both match the reference."""
+    fmt, groups, n, k, rows = "fp8", 1, 256, 1536, 8
+    key = jax.random.key(11)
+    w = cases.random_weight(fmt, *jax.random.split(key), groups, n, k)
+    x = _quantisation_edge_rows(rows, k)
+    static = dict(simulate=True)
+    run = jax.jit(lambda x, c, w: grouped_gemm_cute(x, None, w, config=c, **static),
+                  static_argnums=1)
+    outs = [run(x, support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm=alg,
+                                                 split_k=split), w)
+            for alg in ("mma_fp8", "mma_fp8_stream")]
+    want = grouped_gemm_reference(x, None, w, **static)
+    np.testing.assert_array_equal(_f32(outs[0]), _f32(outs[1]))
+    cases.check_against_reference(_f32(outs[0]), _f32(want), 1e-2)
