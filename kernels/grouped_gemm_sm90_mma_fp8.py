@@ -89,37 +89,34 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         latency hides behind a block). The barrier of block kb orders both: kb's codes are
         written, and the stage of kb - 1 (= kb + 1's) is no longer read."""
         lane = tidx % 32
-        math = warp < WARP_COUNT
-        x_words = cute.make_rmem_tensor((TOKEN_LANE_WORDS,), Int32)
-        if math:
+        if warp < WARP_COUNT:
             for s in cutlass.range_constexpr(self.num_stages - 1):
                 if kb0 + s < kb1:
                     self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                                rows, kb0 + s, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
-        else:
-            self.load_tokens(x_words, mX, row0, rows, kb0, lane)
-            self.quantize_tokens(x_words, self.token_stage(base, kb0), lane)
-            if kb0 + 1 < kb1:
-                self.load_tokens(x_words, mX, row0, rows, kb0 + 1, lane)
-        for kb in cutlass.range(kb0, kb1, unroll=1):
-            if math:
+            for kb in cutlass.range(kb0, kb1, unroll=1):
                 cute.arch.cp_async_wait_group(self.num_stages - 2)
-            # One barrier instruction for both kinds of warps (bar.sync is "aligned").
-            cute.arch.barrier()
-            if math:
+                cute.arch.barrier()
                 ahead = kb + self.num_stages - 1
                 if ahead < kb1:
                     self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                                rows, ahead, base, warp, tidx)
                 cute.arch.cp_async_commit_group()
                 self.compute(acc, base, kb, warp, lane)
-            elif kb + 1 < kb1:
-                self.quantize_tokens(x_words, self.token_stage(base, kb + 1), lane)
-                if kb + 2 < kb1:
-                    self.load_tokens(x_words, mX, row0, rows, kb + 2, lane)
-        if math:
             cute.arch.cp_async_wait_group(0)
+        else:
+            x_words = cute.make_rmem_tensor((TOKEN_LANE_WORDS,), Int32)
+            self.load_tokens(x_words, mX, row0, rows, kb0, lane)
+            self.quantize_tokens(x_words, self.token_stage(base, kb0), lane)
+            if kb0 + 1 < kb1:
+                self.load_tokens(x_words, mX, row0, rows, kb0 + 1, lane)
+            for kb in cutlass.range(kb0, kb1, unroll=1):
+                cute.arch.barrier()
+                if kb + 1 < kb1:
+                    self.quantize_tokens(x_words, self.token_stage(base, kb + 1), lane)
+                    if kb + 2 < kb1:
+                        self.load_tokens(x_words, mX, row0, rows, kb + 2, lane)
 
     @cute.jit
     def load_tokens(self, words: cute.Tensor, mX: cute.Tensor, row0: Int32, rows: Int32,
