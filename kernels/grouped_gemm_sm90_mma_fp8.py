@@ -21,11 +21,10 @@ rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sy
 weights by lane 4g + t (16-byte units t (FP4) or t, 4 + t (FP8: whole sectors per copy
 instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's
 stage (``grouped_gemm_config.fp8_warp_unit``);
-weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens: a fifth
-warp (the token warp) -- lane 4 r + q loads 32 bf16 of tile row r (columns 32 q ..) of K
-block kb + 2 into registers and, a block later, quantises them into the codes + scales
-stage of kb + 1 (two stages; the 4 lanes of a row find its largest |x| by shuffles), off
-the math warps' path: ``k_loop``.
+weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens: thread
+16 r + u loads 8 bf16 of tile row r (columns 8u ..) of K block kb + 2 into registers and,
+a block later, quantises them into the codes + scales stage of kb + 1 (two stages; the
+half warp of a row finds its largest |x| by shuffles): ``k_loop``.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
@@ -49,9 +48,7 @@ from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_BUFFERS, FP8_TOKEN_STAGE_BY
 from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_to_e4m3x8,
                                byte_perm, e8m0_f32, fp4x8_to_e4m3x8, load_global_words,
                                mma_m16n8k32_e4m3)
-from .grouped_gemm_sm90_mma_sync import NUM_THREADS, STEPS, GroupedGemmMmaSyncSm90, _load_word
-
-TOKEN_LANE_WORDS = 16         # the token warp: 32 bf16 of a row per lane and K block
+from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
 
 FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
 
@@ -64,7 +61,6 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         if weight_format not in ("fp4", "fp8"):
             raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
         super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
-        self.num_threads = NUM_THREADS + 32                     # + the token warp
         # Shared memory: [2 token stages][weight ring: stage-major, then warp][scale buffers].
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
         self.weights_offset = FP8_TOKEN_BUFFERS * FP8_TOKEN_STAGE_BYTES
@@ -82,82 +78,78 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
                m_tile: Int32, w_row: Int32, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
                base: Int32, warp: Int32, tidx: Int32):
-        """K blocks [kb0, kb1) into ``acc``. The math warps: the weights' cp.async ring with
-        one CTA barrier per K block, as "mma_sync". The token warp, between the same
-        barriers: quantises the tile's rows of block kb + 1 into their stage while the math
-        warps multiply block kb, from registers loaded one block earlier still (their
-        latency hides behind a block). The barrier of block kb orders both: kb's codes are
-        written, and the stage of kb - 1 (= kb + 1's) is no longer read."""
+        """K blocks [kb0, kb1) into ``acc``: the weights' cp.async ring with one CTA barrier
+        per K block, as "mma_sync"; the token rows of block kb + 1 are quantised into their
+        stage while block kb is multiplied, from registers loaded one block earlier still
+        (their latency hides behind a block's MMAs). The barrier of block kb orders both:
+        kb's codes are written, and kb - 1's stage (= kb + 1's) is no longer read."""
         lane = tidx % 32
-        if warp < WARP_COUNT:
-            for s in cutlass.range_constexpr(self.num_stages - 1):
-                if kb0 + s < kb1:
-                    self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                               rows, kb0 + s, base, warp, tidx)
-                cute.arch.cp_async_commit_group()
-            for kb in cutlass.range(kb0, kb1, unroll=1):
-                cute.arch.cp_async_wait_group(self.num_stages - 2)
-                cute.arch.barrier()
-                ahead = kb + self.num_stages - 1
-                if ahead < kb1:
-                    self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                               rows, ahead, base, warp, tidx)
-                cute.arch.cp_async_commit_group()
-                self.compute(acc, base, kb, warp, lane)
-            cute.arch.cp_async_wait_group(0)
-        else:
-            x_words = cute.make_rmem_tensor((TOKEN_LANE_WORDS,), Int32)
-            self.load_tokens(x_words, mX, row0, rows, kb0, lane)
-            self.quantize_tokens(x_words, self.token_stage(base, kb0), lane)
-            if kb0 + 1 < kb1:
-                self.load_tokens(x_words, mX, row0, rows, kb0 + 1, lane)
-            for kb in cutlass.range(kb0, kb1, unroll=1):
-                cute.arch.barrier()
-                if kb + 1 < kb1:
-                    self.quantize_tokens(x_words, self.token_stage(base, kb + 1), lane)
-                    if kb + 2 < kb1:
-                        self.load_tokens(x_words, mX, row0, rows, kb + 2, lane)
+        for s in cutlass.range_constexpr(self.num_stages - 1):
+            if kb0 + s < kb1:
+                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                           rows, kb0 + s, base, warp, tidx)
+            cute.arch.cp_async_commit_group()
+        x_words = self.load_tokens(mX, row0, rows, kb0, tidx)
+        self.quantize_tokens(x_words, self.token_stage(base, kb0), tidx)
+        if kb0 + 1 < kb1:
+            x_words = self.load_tokens(mX, row0, rows, kb0 + 1, tidx)
+        for kb in cutlass.range(kb0, kb1, unroll=1):
+            cute.arch.cp_async_wait_group(self.num_stages - 2)
+            cute.arch.barrier()
+            ahead = kb + self.num_stages - 1
+            if ahead < kb1:
+                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
+                           rows, ahead, base, warp, tidx)
+            cute.arch.cp_async_commit_group()
+            if kb + 1 < kb1:
+                self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
+                if kb + 2 < kb1:
+                    x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
+            self.compute(acc, base, kb, warp, lane)
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def load_tokens(self, words: cute.Tensor, mX: cute.Tensor, row0: Int32, rows: Int32,
-                    kb: Int32, lane: Int32):
-        """Into ``words``, the token warp's lane 4 r + q: columns 32 q .. 32 q + 31 of tile
-        row r in K block ``kb`` (rows past the tile's count read its first row, whose
-        outputs are never written), as 16 bf16x2 words."""
-        r, q = lane // 4, lane % 4
+    def load_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32, tidx: Int32):
+        """Thread tidx's 8 bf16 of K block ``kb``: columns 8 u .. 8 u + 7 of tile row r
+        (u = tidx % 16, r = tidx / 16; rows past the tile's count read its first row, whose
+        outputs are never written), as four bf16x2 words."""
+        r, unit = tidx // 16, tidx % 16
         x_row = row0 + r
         if r >= rows:
             x_row = row0
         k_in = mX.shape[1]
-        src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 32 * q) * 2
-        for i in cutlass.range_constexpr(TOKEN_LANE_WORDS // 4):
-            got = load_global_words(src + 16 * i, 4)
-            for j in cutlass.range_constexpr(4):
-                words[4 * i + j] = got[j]
+        src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
+        return load_global_words(src, 4)
 
     @cute.jit
-    def quantize_tokens(self, x_words: cute.Tensor, stage: Int32, lane: Int32):
+    def quantize_tokens(self, x_words, stage: Int32, tidx: Int32):
         """The official 1 x 128 activation quantisation of one K block of the tile's rows
-        (``quant.act_quant``, bit for bit): the 4 lanes of a row take its largest |x| by
-        shuffles, each writes the e4m3 codes of its 32 columns (two 16-byte units of the
-        stage), the row's first lane the f32 scale."""
-        r, q = lane // 4, lane % 4
-        amax = Int32(0)
-        for i in cutlass.range_constexpr(TOKEN_LANE_WORDS // 4):
-            part = bf16x8_abs_max_bits([x_words[4 * i + j] for j in range(4)])
-            amax = part if part > amax else amax
-        for offset in (2, 1):
+        (``quant.act_quant``, bit for bit): each half warp holds a row, takes its largest
+        |x| by shuffles, and every thread writes the e4m3 codes of its 8 columns; the
+        row's first thread writes the f32 scale."""
+        r, unit = tidx // 16, tidx % 16
+        amax = bf16x8_abs_max_bits(x_words)
+        for offset in (8, 4, 2, 1):
             other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
             amax = other if other > amax else amax
         scale, inverse = act_scale_bits(amax)
-        for half in cutlass.range_constexpr(2):          # 16 columns: one unit of the stage
-            codes = [c for i in range(2)
-                     for c in bf16x8_to_e4m3x8([x_words[8 * half + 4 * i + j]
-                                                for j in range(4)], inverse)]
-            _store_words(stage + r * BLOCK_K + fp8_warp_unit("tokens", r, 2 * q + half) * 16,
-                         codes)
-        if q == 0:
-            _store_words(stage + WARP_TOKENS * BLOCK_K + r * 4, [scale])
+        codes = bf16x8_to_e4m3x8(x_words, inverse)
+        dst = stage + r * BLOCK_K + fp8_warp_unit("tokens", r, unit // 2) * 16 + 8 * (unit % 2)
+        _store_words2(dst, codes)
+        if unit == 0:
+            _store_words2(stage + WARP_TOKENS * BLOCK_K + r * 4, (scale,))
+
+    def weight_slot(self, stage, mat, half, chunk, lane):
+        """Row-major rows of the warp's stage, units swizzled (``fp8_warp_unit``): the lanes
+        of an MMA step read across the units their neighbours copied."""
+        g, t = lane // 4, lane % 4
+        q = mat * WARP_ROWS + g + 8 * half                       # the row in the warp's stage
+        unit = fp8_warp_unit(self.weight_format, q, warp_copy_unit(t, chunk))
+        return stage + q * self.row_bytes + unit * 16
+
+    def copy_slot(self, stage, mat, half, chunk, lane):
+        """A lane's copies go to its own units of the rows (``weight_slot``)."""
+        return self.weight_slot(stage, mat, half, chunk, lane)
 
     @cute.jit
     def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
@@ -282,8 +274,8 @@ def _load_f32x2(addr):
                                           assumed_align=8), cute.make_layout((2,))).load()
 
 
-def _store_words(addr, words):
-    """One, two or four 32-bit words to a shared-memory address aligned to their size."""
+def _store_words2(addr, words):
+    """One or two 32-bit words to a shared-memory address aligned to their size."""
     dst = cute.make_tensor(cute.make_ptr(Int32, addr, cute.AddressSpace.smem,
                                          assumed_align=4 * len(words)),
                            cute.make_layout((len(words),)))

@@ -58,7 +58,6 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
                  config: GroupedGemmSm90Config, scale_group: int):
         super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
-        self.num_threads = NUM_THREADS                  # no token warp: it stages codes
         self.batch = stream_batch_blocks(weight_format, gated, config.num_stages)
         # Per lane, row half and K block: FP8 two words per MMA step, FP4 one.
         self.step_words = 2 if weight_format == "fp8" else 1

@@ -99,8 +99,6 @@ class GroupedGemmMmaSyncSm90:
             self.warp_stage_bytes)
         self.smem_bytes = warp_smem_bytes(weight_format, gated, self.num_stages)
         self.dtype = cutlass.BFloat16
-        # Threads per CTA: the math warps ("mma_fp8" adds a token warp).
-        self.num_threads = NUM_THREADS
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -123,10 +121,10 @@ class GroupedGemmMmaSyncSm90:
                                mXs, mOut)
         if const_expr(self.split_k > 1):
             # The splits of a tile are one cluster: they add their sums in shared memory.
-            launched.launch(grid=grid, block=[self.num_threads, 1, 1],
-                            cluster=[1, 1, self.split_k], stream=stream)
+            launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], cluster=[1, 1, self.split_k],
+                            stream=stream)
         else:
-            launched.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+            launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -154,9 +152,10 @@ class GroupedGemmMmaSyncSm90:
             self.finish(acc)
             if const_expr(self.split_k > 1):
                 self.add_splits(acc, base, split, tidx)
-            if warp < WARP_COUNT:                  # math warps (not "mma_fp8"'s token warp)
                 if split == 0:
                     self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
+            else:
+                self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
 
     @cute.jit
     def add_splits(self, acc: cute.Tensor, base: Int32, split: Int32, tidx: Int32):
@@ -167,12 +166,11 @@ class GroupedGemmMmaSyncSm90:
         others resident until it has read them)."""
         cute.arch.barrier()
         own = base + tidx * (16 * self.mats)
-        if tidx < NUM_THREADS:
-            for mat in cutlass.range_constexpr(self.mats):
-                store_shared_f32x4(own + 16 * mat, [acc[4 * mat + j] for j in range(4)])
+        for mat in cutlass.range_constexpr(self.mats):
+            store_shared_f32x4(own + 16 * mat, [acc[4 * mat + j] for j in range(4)])
         cute.arch.cluster_arrive()
         cute.arch.cluster_wait()
-        if split == 0 and tidx < NUM_THREADS:
+        if split == 0:
             for z in cutlass.range_constexpr(1, self.split_k):
                 for mat in cutlass.range_constexpr(self.mats):
                     part = load_cluster_f32x4(own + 16 * mat, Int32(z))
