@@ -59,7 +59,7 @@ class KernelSpec:
       ``quantizes_tokens``.
     weight_formats: the ``quant.WeightFormat`` names it reads.
     max_block_n: the largest tile of token rows (gated launch) its registers allow.
-    split_k: offers the K split (grid z, f32 partial sums).
+    split_k: offers the K split (grid z, one cluster per tile that adds its sums).
     ablations: benchmark-only stages it can leave out (``GroupedGemmSm90Config.ablation``,
       several joined by "+"); outputs are then wrong by design.
     min_stages: the least ``num_stages`` (a ring needs two stages; "mma_fp8_stream" reads it

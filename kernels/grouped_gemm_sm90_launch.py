@@ -40,7 +40,7 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     ``s_a`` (and ``w_b``, ``s_b`` when ``gated``): weight bytes and E8M0 scale bytes.
     ``route_w``: the rows' routing weights (gated). ``scale_group``: the warp kernels'
     ``grouped_gemm_config.warp_scale_group`` of the input features. ``out``: bf16
-    [rows, N], or with ``split_k`` > 1 f32 [split_k, rows, mats * N] partial sums."""
+    [rows, N] (a K split adds its sums in the kernel: one cluster per tile)."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]

@@ -29,7 +29,8 @@ and K split as "mma_fp8"):
 3. Per K block, as "mma_fp8": 4 MMA steps of K = 32 (FP8: chained in the tensor core, the
    block sum scaled by the block scale times the token scales; FP4: each step's result times
    its rows' scale, the K block's sum times the token scales, 2^6 restored at the end).
-4. Epilogue of "mma_sync" (bf16 outputs, SwiGLU x routing weight, or f32 split partials).
+4. Epilogue of "mma_sync" (bf16 outputs, SwiGLU x routing weight; a K split adds its sums
+   in the cluster first).
 
 Constraints: those of "mma_fp8". Ablations (benchmarks only, outputs wrong by design):
 no_load (the weight loads of the first batch reused for every batch), no_mma (the MMAs

@@ -440,8 +440,8 @@ VARIANTS = {"fp4-gated-decode": ("fp4", True, support.DECODE_CONFIG),
             "fp4-gated-mma-sync": ("fp4", True, MMA_SYNC["fp4"]),
             "fp8-down-mma-sync": ("fp8", False, MMA_SYNC["fp8"]),
             "bf16-gated-mma-sync": ("bf16", True, MMA_SYNC["bf16"]),
-            # More rows than two tiles: the whole K per CTA, bf16 outputs (the others: K
-            # split 4 ways, f32 partial sums).
+            # More rows than two tiles: the whole K per CTA (the others: K split 4 ways, a
+            # cluster per tile).
             "fp4-gated-mma-sync-whole-k": ("fp4", True, support.choose_config(
                 64, 16, "fp4", decode_algorithm="mma_sync"))}
 
