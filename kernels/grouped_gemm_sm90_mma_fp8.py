@@ -81,7 +81,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         """K blocks [kb0, kb1) into ``acc``: the weights' cp.async ring with one CTA barrier
         per K block, as "mma_sync"; the token rows of block kb + 1 are quantised into their
         stage while block kb is multiplied, from registers loaded one block earlier still
-        (their latency hides behind a block's MMAs). The barrier of block kb orders both:
+        (at T = 1 a block's MMAs are shorter than that load's latency, so the quantisation
+        waits for it: docs/performance.md). The barrier of block kb orders both:
         kb's codes are written, and kb - 1's stage (= kb + 1's) is no longer read."""
         lane = tidx % 32
         for s in cutlass.range_constexpr(self.num_stages - 1):
