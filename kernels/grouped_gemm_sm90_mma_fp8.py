@@ -24,7 +24,7 @@ stage (``grouped_gemm_config.fp8_warp_unit``);
 weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens: thread
 16 r + u loads 8 bf16 of tile row r (columns 8u ..) of K block kb + 2 into registers and,
 a block later, quantises them into the codes + scales stage of kb + 1 (two stages; the
-half warp of a row finds its largest |x| by shuffles): ``k_loop``.
+half warp of a row finds its largest |x| by shuffles): ``tokens_ahead``.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
@@ -70,44 +70,34 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
 
     def token_stage(self, base, kb):
         """The codes and scales of K block ``kb``: one of two stages, quantised one block
-        ahead (``k_loop``)."""
+        ahead (``tokens_ahead``)."""
         return base + (kb % FP8_TOKEN_BUFFERS) * FP8_TOKEN_STAGE_BYTES
 
     @cute.jit
-    def k_loop(self, acc: cute.Tensor, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
-               mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
-               m_tile: Int32, w_row: Int32, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
-               base: Int32, warp: Int32, tidx: Int32):
-        """K blocks [kb0, kb1) into ``acc``: the weights' cp.async ring with one CTA barrier
-        per K block, as "mma_sync"; the token rows of block kb + 1 are quantised into their
-        stage while block kb is multiplied, from registers loaded one block earlier still
-        (at T = 1 a block's MMAs are shorter than that load's latency, so the quantisation
-        waits for it: docs/performance.md). The barrier of block kb orders both:
-        kb's codes are written, and kb - 1's stage (= kb + 1's) is no longer read."""
-        lane = tidx % 32
-        for s in cutlass.range_constexpr(self.num_stages - 1):
-            if kb0 + s < kb1:
-                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                           rows, kb0 + s, base, warp, tidx)
-            cute.arch.cp_async_commit_group()
+    def first_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
+                     base: Int32, tidx: Int32):
+        """Before "mma_sync"'s K loop: block kb0's rows quantised into their stage, block
+        kb0 + 1's loaded into registers (the state ``tokens_ahead`` carries)."""
         x_words = self.load_tokens(mX, row0, rows, kb0, tidx)
         self.quantize_tokens(x_words, self.token_stage(base, kb0), tidx)
         if kb0 + 1 < kb1:
             x_words = self.load_tokens(mX, row0, rows, kb0 + 1, tidx)
-        for kb in cutlass.range(kb0, kb1, unroll=1):
-            cute.arch.cp_async_wait_group(self.num_stages - 2)
-            cute.arch.barrier()
-            ahead = kb + self.num_stages - 1
-            if ahead < kb1:
-                self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
-                           rows, ahead, base, warp, tidx)
-            cute.arch.cp_async_commit_group()
-            if kb + 1 < kb1:
-                self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
-                if kb + 2 < kb1:
-                    x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
-            self.compute(acc, base, kb, warp, lane)
-        cute.arch.cp_async_wait_group(0)
+        return x_words
+
+    @cute.jit
+    def tokens_ahead(self, x_words, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32,
+                     kb1: Int32, base: Int32, tidx: Int32):
+        """In K block kb, after its barrier and before its MMAs: the token rows of block
+        kb + 1 are quantised into their stage from registers loaded one block earlier still
+        (at T = 1 a block's MMAs are shorter than that load's latency, so the quantisation
+        waits for it: docs/performance.md), and block kb + 2's are loaded. The barrier of
+        block kb orders both: kb's codes are written, and kb - 1's stage (= kb + 1's) is no
+        longer read."""
+        if kb + 1 < kb1:
+            self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
+            if kb + 2 < kb1:
+                x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
+        return x_words
 
     @cute.jit
     def load_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32, tidx: Int32):
@@ -157,7 +147,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
               mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32, w_row: Int32,
               row0: Int32, rows: Int32, kb: Int32, base: Int32, warp: Int32, tidx: Int32):
         """This thread's cp.async copies of K block ``kb``: weights and their scales (the
-        tokens are loaded and quantised by ``k_loop``)."""
+        tokens are loaded and quantised by ``first_tokens`` / ``tokens_ahead``)."""
         lane = tidx % 32
         n_out = mWa.shape[1]
         k_in = mX.shape[1]

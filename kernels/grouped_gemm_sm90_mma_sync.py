@@ -184,13 +184,16 @@ class GroupedGemmMmaSyncSm90:
                mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
                m_tile: Int32, w_row: Int32, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
                base: Int32, warp: Int32, tidx: Int32):
-        """K blocks [kb0, kb1) into ``acc``: the cp.async ring, one CTA barrier per block."""
+        """K blocks [kb0, kb1) into ``acc``: the cp.async ring, one CTA barrier per block;
+        the token hooks (``first_tokens``, ``tokens_ahead``) run between that barrier and
+        the block's MMAs."""
         lane = tidx % 32
         for s in cutlass.range_constexpr(self.num_stages - 1):
             if kb0 + s < kb1:
                 self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                            rows, kb0 + s, base, warp, tidx)
             cute.arch.cp_async_commit_group()
+        tokens = self.first_tokens(mX, row0, rows, kb0, kb1, base, tidx)
         for kb in cutlass.range(kb0, kb1, unroll=1):
             cute.arch.cp_async_wait_group(self.num_stages - 2)
             cute.arch.barrier()
@@ -199,8 +202,19 @@ class GroupedGemmMmaSyncSm90:
                 self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                            rows, ahead, base, warp, tidx)
             cute.arch.cp_async_commit_group()
+            tokens = self.tokens_ahead(tokens, mX, row0, rows, kb, kb1, base, tidx)
             self.compute(acc, base, kb, warp, lane)
         cute.arch.cp_async_wait_group(0)
+
+    def first_tokens(self, mX, row0, rows, kb0, kb1, base, tidx):
+        """Hook before the K loop; returns the state ``tokens_ahead`` carries. Here the
+        token rows travel with the weights' copies (``issue``): a placeholder."""
+        return Int32(0)
+
+    def tokens_ahead(self, tokens, mX, row0, rows, kb, kb1, base, tidx):
+        """Hook of K block ``kb``, after its barrier, before its MMAs ("mma_fp8" quantises
+        the next block's rows there)."""
+        return tokens
 
     @cute.jit
     def k_blocks(self, num_k: Int32, split: Int32):
