@@ -2,7 +2,7 @@
 of its weight bytes, for the configuration the model picks and for variants of it.
 
     source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
-        [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations] [--budget 400] [--out f.md]
+        [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations [a,b]] [--budget 400] [--out f.md]
     python3 benchmarks/decode_gemms.py --tiny          # dry run (CPU): variants, no launch
     bash benchmarks/run_on_device.sh gemm_ncu wq_b 1   # Nsight Compute of one launch (--ncu)
 
@@ -97,11 +97,12 @@ def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
     return {s.name: s for s in shapes}
 
 
-def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
+def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[str, ...],
              algorithms: tuple[str, ...] = (), base: str = ""):
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
-    decode algorithm, the sweep and the ablations (of the first config)."""
+    decode algorithm, the sweep and the ablations (of the first config; True: all the
+    kernel's, or those named that it has; the K split's only where it splits)."""
     def config(**policy):
         return resolve_config(GroupedGemmPolicy(**policy), rows, shape.groups, shape.fmt,
                               (shape.k,), shape.simulate, (shape.n,))
@@ -130,8 +131,11 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool,
                     continue
                 out.append((f"stages {stages}, split {split}", config))
     if ablations:
-        out += [(a, dataclasses.replace(model, ablation=a)) for a in KERNELS[
-            model.algorithm].ablations if a != "no_dequant" or shape.fmt == "fp4"]
+        chosen = KERNELS[model.algorithm].ablations if ablations is True else ablations
+        out += [(a, dataclasses.replace(model, ablation=a)) for a in chosen
+                if a in KERNELS[model.algorithm].ablations
+                and (a != "no_dequant" or shape.fmt == "fp4")
+                and (a not in ("no_reduce", "no_cluster") or model.split_k > 1)]
     return out
 
 
@@ -193,7 +197,9 @@ def main(argv=None):
     p.add_argument("--tokens", default="1,8", help="comma-separated tokens per step")
     p.add_argument("--gemms", default="all", help="comma-separated names or 'all'")
     p.add_argument("--sweep", action="store_true", help="stages x K split variants")
-    p.add_argument("--ablations", action="store_true", help="the kernel's ablations")
+    p.add_argument("--ablations", nargs="?", const="all", default="",
+                   help="the kernel's ablations (all, or comma-separated names: those the "
+                        "kernel has)")
     p.add_argument("--algorithms", default="",
                    help="comma-separated decode algorithms to time as the policy's choice")
     p.add_argument("--base", default="",
@@ -244,7 +250,8 @@ def main(argv=None):
             floor = groups * one / (PEAK_TBPS * 1e12)
             model_t = None
             for label, config in variants(
-                    shape, tokens * shape.rows_per_token, args.sweep, args.ablations,
+                    shape, tokens * shape.rows_per_token, args.sweep,
+                    args.ablations == "all" or tuple(a for a in args.ablations.split(",") if a),
                     tuple(a for a in args.algorithms.split(",") if a), args.base)[
                         :1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:

@@ -32,7 +32,9 @@ of the 8 go to those columns directly, for weights and tokens alike.
 
 Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8. Ablations
 (benchmarks only, outputs wrong by design): no_load, no_dequant (FP4 codes
-multiplied as they are), no_mma (conversion kept, the MMAs replaced by one integer op).
+multiplied as they are), no_mma (conversion kept, the MMAs replaced by one integer op),
+no_quant (only the first K block's token rows loaded and quantised), and mma_sync's
+no_reduce / no_cluster (a split's sums not added; the cluster launch kept / not).
 Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
 cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
 """
@@ -93,10 +95,13 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         waits for it: docs/performance.md), and block kb + 2's are loaded. The barrier of
         block kb orders both: kb's codes are written, and kb - 1's stage (= kb + 1's) is no
         longer read."""
-        if kb + 1 < kb1:
-            self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
-            if kb + 2 < kb1:
-                x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
+        # Ablation "no_quant": only the first block's rows are quantised (the stages then
+        # hold stale codes).
+        if const_expr(not self.leaves_out("no_quant")):
+            if kb + 1 < kb1:
+                self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
+                if kb + 2 < kb1:
+                    x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
         return x_words
 
     @cute.jit

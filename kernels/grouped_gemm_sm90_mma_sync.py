@@ -119,7 +119,7 @@ class GroupedGemmMmaSyncSm90:
         grid = [n_out // BLOCK_M, mTileExpert.shape[0], self.split_k]
         launched = self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
                                mXs, mOut)
-        if const_expr(self.split_k > 1):
+        if const_expr(self.split_k > 1 and not self.leaves_out("no_cluster")):
             # The splits of a tile are one cluster: they add their sums in shared memory.
             launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], cluster=[1, 1, self.split_k],
                             stream=stream)
@@ -150,7 +150,10 @@ class GroupedGemmMmaSyncSm90:
             self.k_loop(acc, mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows,
                         kb0, kb1, base, warp, tidx)
             self.finish(acc)
-            if const_expr(self.split_k > 1):
+            # Ablations: "no_reduce" keeps the cluster launch but not its sums, "no_cluster"
+            # neither (every split then writes its own partial outputs).
+            if const_expr(self.split_k > 1 and not self.leaves_out("no_reduce")
+                          and not self.leaves_out("no_cluster")):
                 self.add_splits(acc, base, split, tidx)
                 if split == 0:
                     self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)

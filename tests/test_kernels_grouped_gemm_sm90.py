@@ -620,6 +620,21 @@ def test_mma_fp8_ablations_compile_and_leave_out_their_stage(ablation):
     assert "cp.async" in ptx and ptx.count("cp.async.wait_group") == 2
 
 
+@pytest.mark.parametrize("ablation", ["no_reduce", "no_cluster"])
+def test_mma_fp8_split_ablations_leave_out_the_cluster_sums(ablation):
+    """decode_gemms.py's split ablations: "no_reduce" keeps the cluster launch and drops the
+    sums through distributed shared memory and both cluster barriers; "no_cluster" too."""
+    config = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8",
+                                           split_k=2, ablation=ablation)
+    ptx = _compile("fp8", False, config, k=1024).artifacts.PTX
+    shipped = _compile("fp8", False, dataclasses.replace(config, ablation=""),
+                       k=1024).artifacts.PTX
+    assert shipped.count("barrier.cluster.arrive") == 2 and "mapa" in shipped
+    assert "barrier.cluster" not in ptx and "mapa" not in ptx
+    assert len(re.findall(r"mma\.sync\.aligned", ptx)) == len(
+        re.findall(r"mma\.sync\.aligned", shipped))
+
+
 @pytest.mark.parametrize("ablation", support.KERNELS["wgmma"].ablations
                          + ("no_dequant+no_mma", "no_load+no_token_load+no_dequant+no_mma"))
 def test_wgmma_ablations_compile_and_leave_out_their_stage(ablation):
