@@ -98,7 +98,8 @@ def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
 
 
 def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[str, ...],
-             algorithms: tuple[str, ...] = (), base: str = ""):
+             algorithms: tuple[str, ...] = (), base: str = "",
+             stages: tuple[int, ...] = STAGES, splits: tuple[int, ...] = SPLITS):
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
@@ -116,20 +117,20 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
         return out
     if sweep:
         most = (shape.k // BLOCK_K) // warp_scale_group(shape.fmt, shape.k // BLOCK_K)
-        for stages in STAGES:
-            for split in SPLITS:
+        for stage_count in stages:
+            for split in splits:
                 if split > min(most, MAX_SPLIT_K):
                     continue
-                if stages < model.spec.min_stages:
+                if stage_count < model.spec.min_stages:
                     continue
-                config = dataclasses.replace(model, num_stages=stages, split_k=split)
-                if (model.algorithm == "mma_fp8_stream" and stages != model.num_stages
-                        and stream_batch_blocks(shape.fmt, shape.gated, stages)
+                config = dataclasses.replace(model, num_stages=stage_count, split_k=split)
+                if (model.algorithm == "mma_fp8_stream" and stage_count != model.num_stages
+                        and stream_batch_blocks(shape.fmt, shape.gated, stage_count)
                         == stream_batch_blocks(shape.fmt, shape.gated, model.num_stages)):
                     continue                  # the same kernel: its batch is capped
                 if config == model or config.smem_bytes(shape.fmt, shape.gated) > SMEM_BYTES:
                     continue
-                out.append((f"stages {stages}, split {split}", config))
+                out.append((f"stages {stage_count}, split {split}", config))
     if ablations:
         chosen = KERNELS[model.algorithm].ablations if ablations is True else ablations
         out += [(a, dataclasses.replace(model, ablation=a)) for a in chosen
@@ -197,6 +198,10 @@ def main(argv=None):
     p.add_argument("--tokens", default="1,8", help="comma-separated tokens per step")
     p.add_argument("--gemms", default="all", help="comma-separated names or 'all'")
     p.add_argument("--sweep", action="store_true", help="stages x K split variants")
+    p.add_argument("--stages", default=",".join(map(str, STAGES)),
+                   help="the sweep's pipeline stages (comma-separated)")
+    p.add_argument("--splits", default=",".join(map(str, SPLITS)),
+                   help="the sweep's K splits (comma-separated)")
     p.add_argument("--ablations", nargs="?", const="all", default="",
                    help="the kernel's ablations (all, or comma-separated names: those the "
                         "kernel has)")
@@ -252,7 +257,9 @@ def main(argv=None):
             for label, config in variants(
                     shape, tokens * shape.rows_per_token, args.sweep,
                     args.ablations == "all" or tuple(a for a in args.ablations.split(",") if a),
-                    tuple(a for a in args.algorithms.split(",") if a), args.base)[
+                    tuple(a for a in args.algorithms.split(",") if a), args.base,
+                    tuple(int(v) for v in args.stages.split(",")),
+                    tuple(int(v) for v in args.splits.split(",")))[
                         :1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "

@@ -24,7 +24,9 @@ stage (``grouped_gemm_config.fp8_warp_unit``);
 weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens: thread
 16 r + u loads 8 bf16 of tile row r (columns 8u ..) of K block kb + 2 into registers and,
 a block later, quantises them into the codes + scales stage of kb + 1 (two stages; the
-half warp of a row finds its largest |x| by shuffles): ``tokens_ahead``.
+half warp of a row finds its largest |x| by shuffles): ``tokens_ahead``. Warps without a
+tile row (warp w holds rows 2w, 2w + 1) skip that work: their stage rows feed only output
+columns that are never written.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
@@ -79,12 +81,21 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     def first_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
                      base: Int32, tidx: Int32):
         """Before "mma_sync"'s K loop: block kb0's rows quantised into their stage, block
-        kb0 + 1's loaded into registers (the state ``tokens_ahead`` carries)."""
-        x_words = self.load_tokens(mX, row0, rows, kb0, tidx)
-        self.quantize_tokens(x_words, self.token_stage(base, kb0), tidx)
-        if kb0 + 1 < kb1:
-            x_words = self.load_tokens(mX, row0, rows, kb0 + 1, tidx)
+        kb0 + 1's loaded into registers (the state ``tokens_ahead`` carries), by the warps
+        that hold tile rows (``quantizing_warp``)."""
+        x_words = (Int32(0),) * 4
+        if self.quantizing_warp(rows, tidx):
+            x_words = self.load_tokens(mX, row0, rows, kb0, tidx)
+            self.quantize_tokens(x_words, self.token_stage(base, kb0), tidx)
+            if kb0 + 1 < kb1:
+                x_words = self.load_tokens(mX, row0, rows, kb0 + 1, tidx)
         return x_words
+
+    def quantizing_warp(self, rows: Int32, tidx: Int32):
+        """Whether thread tidx's warp holds a tile row (warp w quantises rows 2w, 2w + 1):
+        the others skip the tokens' loads and quantisation, whose codes would only reach
+        output columns that are never written (a whole warp, for its shuffles)."""
+        return (tidx // 32) * 2 < rows
 
     @cute.jit
     def tokens_ahead(self, x_words, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32,
@@ -98,7 +109,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         # Ablation "no_quant": only the first block's rows are quantised (the stages then
         # hold stale codes).
         if const_expr(not self.leaves_out("no_quant")):
-            if kb + 1 < kb1:
+            if kb + 1 < kb1 and self.quantizing_warp(rows, tidx):
                 self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
                 if kb + 2 < kb1:
                     x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
@@ -107,8 +118,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     @cute.jit
     def load_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32, tidx: Int32):
         """Thread tidx's 8 bf16 of K block ``kb``: columns 8 u .. 8 u + 7 of tile row r
-        (u = tidx % 16, r = tidx / 16; rows past the tile's count read its first row, whose
-        outputs are never written), as four bf16x2 words."""
+        (u = tidx % 16, r = tidx / 16; rows past the tile's count in a quantising warp read
+        its first row, whose outputs are never written), as four bf16x2 words."""
         r, unit = tidx // 16, tidx % 16
         x_row = row0 + r
         if r >= rows:
