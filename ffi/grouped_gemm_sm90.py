@@ -200,7 +200,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      block_n=config.block_n, num_stages=config.num_stages,
                      algorithm=config.algorithm, split_k=config.split_k,
                      ablation=config.ablation,
-                     scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K))
+                     scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K),
+                     token_stages=config.token_stages)
     return y
 
 

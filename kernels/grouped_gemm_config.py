@@ -39,6 +39,10 @@ FP8_WGMMA_MAX_BLOCK_N = 64     # registers: 2 x 2 block accumulators + 2 accumul
 WARP_ROWS = 16
 WARP_COUNT = BLOCK_M // WARP_ROWS
 WARP_TOKENS = 8           # token rows per tile (the MMA's N)
+# "mma_fp8" quantises its bf16 token rows into stages of codes + scales: two by default (one
+# K block ahead), up to MAX_TOKEN_STAGES (``GroupedGemmSm90Config.token_stages``).
+FP8_TOKEN_BUFFERS = 2
+MAX_TOKEN_STAGES = 8
 # FP4 -> bf16 byte lookup tables for ``prmt`` (bytes 0-3 in the first word, 4-7 in the
 # second): high and low bytes of the bf16 values of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3,
 # 4, 6 (e.g. 1.5 = 0x3FC0). tests/test_kernels_grouped_gemm_sm90.py replays the permutes.
@@ -120,12 +124,17 @@ class GroupedGemmSm90Config:
       ``KernelSpec.split_k``.
     ablation: benchmark-only stages left out, joined by "+" (the spec's ``ablations``);
       the outputs are then wrong by design.
+    token_stages: shared-memory stages of quantised token blocks, for the kernels that
+      quantise their tokens (``KernelSpec.quantizes_tokens``): the first
+      ``token_stages - 1`` K blocks of a CTA's range are quantised before its K loop, each
+      later one that many blocks ahead of its MMAs. 2 elsewhere.
     """
     block_n: int = 8
     num_stages: int = 8
     algorithm: str = "wgmma"
     split_k: int = 1
     ablation: str = ""
+    token_stages: int = FP8_TOKEN_BUFFERS
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -148,6 +157,12 @@ class GroupedGemmSm90Config:
             raise ValueError(f"GroupedGemmSm90Config: split_k must be in [1, {MAX_SPLIT_K}], "
                              f"and 1 unless the algorithm is one of {WARP_ALGORITHMS}; got "
                              f"{self.split_k} with {self.algorithm!r}")
+        if not 2 <= self.token_stages <= MAX_TOKEN_STAGES or (
+                self.token_stages != FP8_TOKEN_BUFFERS and not spec.quantizes_tokens):
+            raise ValueError(f"GroupedGemmSm90Config: token_stages must be in [2, "
+                             f"{MAX_TOKEN_STAGES}], and {FP8_TOKEN_BUFFERS} unless the "
+                             f"algorithm quantises its tokens; got {self.token_stages} with "
+                             f"{self.algorithm!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -168,7 +183,8 @@ class GroupedGemmSm90Config:
         if self.algorithm == "mma_sync":
             return warp_smem_bytes(weight_format, gated, self.num_stages)
         if self.algorithm == "mma_fp8":
-            return fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
+            return fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
+                                       self.token_stages)
         if self.algorithm == "mma_fp8_stream":
             return STREAM_CHUNK_BLOCKS * STREAM_KBLOCK_BYTES
         if self.algorithm == "wgmma_fp8":        # per stage, bytes (grouped_gemm_sm90_wgmma_fp8)
@@ -274,16 +290,15 @@ def warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
 FP8_TOKEN_STAGE_BYTES = WARP_TOKENS * BLOCK_K + WARP_TOKENS * 4
 
 
-# "mma_fp8" quantises its bf16 token rows one K block ahead into two such stages.
-FP8_TOKEN_BUFFERS = 2
 
 
-def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
-    """"mma_fp8": per CTA, the two token stages it quantises into, a ring of ``num_stages``
-    stages of each warp's weight rows and every warp's scale buffers."""
+def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int,
+                        token_stages: int = 2) -> int:
+    """"mma_fp8": per CTA, the ``token_stages`` token stages it quantises into, a ring of
+    ``num_stages`` stages of each warp's weight rows and every warp's scale buffers."""
     mats = 2 if gated else 1
     weights = WARP_COUNT * mats * WARP_ROWS * ROW_BYTES[weight_format]
-    return (FP8_TOKEN_BUFFERS * FP8_TOKEN_STAGE_BYTES + num_stages * weights
+    return (token_stages * FP8_TOKEN_STAGE_BYTES + num_stages * weights
             + WARP_COUNT * warp_scale_buffers(num_stages) * WARP_SCALE_BUFFER_BYTES)
 
 
@@ -392,17 +407,30 @@ def _wgmma_block(num_rows: int, num_groups: int) -> int:
 # until about RESIDENT_CTAS_PER_SM CTAs per SM run at once (what their shared memory allows):
 # the decode sweep (docs/performance.md, "Decode GEMMs") measured the most CTAs fastest for
 # long K (wo_b, the shared expert), and no split fastest at 3 CTAs per SM (routed w2, T = 1).
+# "mma_sync" (bf16 tokens: twice the MMAs and a bf16 conversion per weight byte) is bound by
+# its instructions, not its CTAs: its splits only add the cluster's sums, so it aims lower.
 SPLIT_BELOW_CTAS_PER_SM = 2
 RESIDENT_CTAS_PER_SM = 4
+RESIDENT_CTAS_PER_SM_BY_ALGORITHM = {"mma_sync": 2}
+# A split launch's splits are one thread-block cluster, which runs only when all its CTAs fit
+# at once in one GPC: split launches take 3 stages (several CTAs per SM, whole clusters
+# resident; the sweep measured 3 best or level for every split launch), the unsplit decode
+# launches of few tiles 6 (few CTAs, each keeping more bytes in flight).
+SPLIT_STAGES = 3
+FEW_TILES_STAGES = 6
+# ... and, quantising their own tokens, all of a short K range's blocks before the K loop (a
+# decode K block's MMAs are shorter than a token load's latency: docs/performance.md).
+FEW_TILES_TOKEN_STAGES = MAX_TOKEN_STAGES
 
 
 def auto_split_k(num_rows: int, num_groups: int, weight_format: str, k_ins: tuple[int, ...],
-                 n_outs: tuple[int, ...]) -> int:
+                 n_outs: tuple[int, ...], algorithm: str = "mma_fp8") -> int:
     """The warp kernels' K split for a decode launch of a small matrix (few 64-row output
     blocks, one or two tiles of rows), which otherwise streams its weights through a few
-    CTAs per SM: ``RESIDENT_CTAS_PER_SM`` CTAs per SM when it has fewer than
-    ``SPLIT_BELOW_CTAS_PER_SM``. Splits start scale groups (``split_k_blocks``): at most
-    ``K blocks / scale group`` of them, and no more than get work."""
+    CTAs per SM: ``RESIDENT_CTAS_PER_SM`` CTAs per SM (the ``algorithm``'s own figure where
+    it has one) when it has fewer than ``SPLIT_BELOW_CTAS_PER_SM``. Splits start scale
+    groups (``split_k_blocks``): at most ``K blocks / scale group`` of them, and no more
+    than get work."""
     if not n_outs or not k_ins:
         return 1
     tiles = (min(num_groups, num_rows) if num_groups > 1
@@ -412,7 +440,8 @@ def auto_split_k(num_rows: int, num_groups: int, weight_format: str, k_ins: tupl
         return 1
     k_blocks = min(k_ins) // BLOCK_K
     groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
-    split = max(1, min(RESIDENT_CTAS_PER_SM * NUM_SMS // max(ctas, 1), MAX_SPLIT_K, groups))
+    resident = RESIDENT_CTAS_PER_SM_BY_ALGORITHM.get(algorithm, RESIDENT_CTAS_PER_SM)
+    split = max(1, min(resident * NUM_SMS // max(ctas, 1), MAX_SPLIT_K, groups))
     per = -(-groups // split)                  # scale groups per split
     return -(-groups // per)
 
@@ -436,9 +465,10 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     in each of ``k_ins``, the input features of the launches that will use the config.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
-    Warp kernels: 6 stages for at most 2 tiles of rows (few CTAs, each must keep more bytes
-    in flight) and K split ``split_k`` ways (None: ``auto_split_k``), else 4 stages; fewer
-    while two CTAs would not fit in an SM."""
+    Warp kernels: for at most 2 tiles of rows, K split ``split_k`` ways (None:
+    ``auto_split_k``) with ``SPLIT_STAGES`` stages when it splits, else
+    ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages;
+    fewer while two CTAs would not fit in an SM."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
@@ -459,9 +489,13 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
-            split = (auto_split_k(num_rows, num_groups, weight_format, k_ins, n_outs)
-                     if split_k is None else split_k)
-            config = dataclasses.replace(config, num_stages=6, split_k=split)
+            split = (auto_split_k(num_rows, num_groups, weight_format, k_ins, n_outs,
+                                  decode_algorithm) if split_k is None else split_k)
+            config = dataclasses.replace(
+                config, num_stages=SPLIT_STAGES if split > 1 else FEW_TILES_STAGES,
+                split_k=split, token_stages=(FEW_TILES_TOKEN_STAGES
+                                             if config.spec.quantizes_tokens
+                                             else FP8_TOKEN_BUFFERS))
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

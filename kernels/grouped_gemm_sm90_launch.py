@@ -31,7 +31,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           block_n: cutlass.Constexpr, num_stages: cutlass.Constexpr,
                           algorithm: cutlass.Constexpr, split_k: cutlass.Constexpr = 1,
                           ablation: cutlass.Constexpr = "",
-                          scale_group: cutlass.Constexpr = 1):
+                          scale_group: cutlass.Constexpr = 1,
+                          token_stages: cutlass.Constexpr = 2):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -42,7 +43,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     ``grouped_gemm_config.warp_scale_group`` of the input features. ``out``: bf16
     [rows, N] (a K split adds its sums in the kernel: one cluster per tile)."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
-                                   split_k=split_k, ablation=ablation)
+                                   split_k=split_k, ablation=ablation,
+                                   token_stages=token_stages)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
     kernel_class(weight_format, gated, swiglu_limit, config, scale_group)(
         x, x_scale, tile_group, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)

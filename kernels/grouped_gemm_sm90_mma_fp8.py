@@ -21,12 +21,14 @@ rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sy
 weights by lane 4g + t (16-byte units t (FP4) or t, 4 + t (FP8: whole sectors per copy
 instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's
 stage (``grouped_gemm_config.fp8_warp_unit``);
-weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens: thread
-16 r + u loads 8 bf16 of tile row r (columns 8u ..) of K block kb + 2 into registers and,
-a block later, quantises them into the codes + scales stage of kb + 1 (two stages; the
-half warp of a row finds its largest |x| by shuffles): ``tokens_ahead``. Warps without a
-tile row (warp w holds rows 2w, 2w + 1) skip that work: their stage rows feed only output
-columns that are never written.
+weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens, in
+``config.token_stages`` = S stages of codes + scales (a half warp quantises one row of one
+K block: its largest |x| by shuffles, 8 columns per thread): before the loop the first S - 1
+blocks of the CTA's range, as (row, block) pairs over the 8 half warps with every pass's
+loads issued first (``first_tokens``); in block kb, thread 16 r + u quantises row r of block
+kb + S - 1 from registers loaded a block earlier and loads block kb + S's
+(``tokens_ahead``). Warps without a tile row (warp w holds rows 2w, 2w + 1) skip the
+loop's share: their stage rows feed only output columns that are never written.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
@@ -46,7 +48,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_BUFFERS, FP8_TOKEN_STAGE_BYTES, ROW_BYTES,
+from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES,
                        WARP_COUNT, WARP_ROWS, WARP_TOKENS, GroupedGemmSm90Config,
                        fp8_warp_smem_bytes, fp8_warp_unit, warp_copy_unit)
 from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_to_e4m3x8,
@@ -65,30 +67,54 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         if weight_format not in ("fp4", "fp8"):
             raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
         super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
-        # Shared memory: [2 token stages][weight ring: stage-major, then warp][scale buffers].
+        # Shared memory: [token stages][weight ring: stage-major, then warp][scale buffers].
+        self.token_stages = config.token_stages
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
-        self.weights_offset = FP8_TOKEN_BUFFERS * FP8_TOKEN_STAGE_BYTES
+        self.weights_offset = self.token_stages * FP8_TOKEN_STAGE_BYTES
         self.scales_offset = self.weights_offset + self.num_stages * WARP_COUNT * (
             self.warp_stage_bytes)
-        self.smem_bytes = fp8_warp_smem_bytes(weight_format, gated, self.num_stages)
+        self.smem_bytes = fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
+                                              self.token_stages)
 
     def token_stage(self, base, kb):
-        """The codes and scales of K block ``kb``: one of two stages, quantised one block
-        ahead (``tokens_ahead``)."""
-        return base + (kb % FP8_TOKEN_BUFFERS) * FP8_TOKEN_STAGE_BYTES
+        """The codes and scales of K block ``kb``: one of ``token_stages`` stages."""
+        return base + (kb % self.token_stages) * FP8_TOKEN_STAGE_BYTES
 
     @cute.jit
     def first_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
                      base: Int32, tidx: Int32):
-        """Before "mma_sync"'s K loop: block kb0's rows quantised into their stage, block
-        kb0 + 1's loaded into registers (the state ``tokens_ahead`` carries), by the warps
-        that hold tile rows (``quantizing_warp``)."""
+        """Before "mma_sync"'s K loop: the first A = ``token_stages - 1`` K blocks of the
+        range quantised into their stages, as (row, block) pairs dealt over the CTA's 8 half
+        warps (a pass per 8 pairs; every pass's loads issued before the first quantisation,
+        so the CTA waits for one load, not one per block); then block kb0 + A's rows loaded
+        into registers (the state ``tokens_ahead`` carries) by the warps that hold tile rows
+        (``quantizing_warp``). Warps without a pair in a pass skip it (whole warps: their
+        shuffles); a half warp without one shuffles its warp's first pair and stores
+        nothing."""
+        ahead = self.token_stages - 1
+        blocks = kb1 - kb0
+        if blocks > ahead:
+            blocks = Int32(ahead)
+        pairs = rows * blocks
+        half, unit = tidx // 16, tidx % 16
+        warp_pair = (tidx // 32) * 2                  # the warp's first half warp
+        loaded = []
+        for j in cutlass.range_constexpr(ahead):
+            words = (Int32(0),) * 4
+            if 8 * j + warp_pair < pairs:
+                p = 8 * j + half
+                if p >= pairs:
+                    p = 8 * j + warp_pair
+                words = self.load_row_block(mX, row0 + p % rows, kb0 + p // rows, unit)
+            loaded.append(words)
+        for j in cutlass.range_constexpr(ahead):
+            if 8 * j + warp_pair < pairs:
+                p = 8 * j + half
+                self.quantize_block(loaded[j], self.token_stage(base, kb0 + p // rows),
+                                    p % rows, unit, p < pairs)
         x_words = (Int32(0),) * 4
-        if self.quantizing_warp(rows, tidx):
-            x_words = self.load_tokens(mX, row0, rows, kb0, tidx)
-            self.quantize_tokens(x_words, self.token_stage(base, kb0), tidx)
-            if kb0 + 1 < kb1:
-                x_words = self.load_tokens(mX, row0, rows, kb0 + 1, tidx)
+        if self.quantizing_warp(rows, tidx) and kb0 + ahead < kb1:
+            x_words = self.load_tokens(mX, row0, rows, kb0 + ahead, tidx)
         return x_words
 
     def quantizing_warp(self, rows: Int32, tidx: Int32):
@@ -101,50 +127,60 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     def tokens_ahead(self, x_words, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32,
                      kb1: Int32, base: Int32, tidx: Int32):
         """In K block kb, after its barrier and before its MMAs: the token rows of block
-        kb + 1 are quantised into their stage from registers loaded one block earlier still
-        (at T = 1 a block's MMAs are shorter than that load's latency, so the quantisation
-        waits for it: docs/performance.md), and block kb + 2's are loaded. The barrier of
-        block kb orders both: kb's codes are written, and kb - 1's stage (= kb + 1's) is no
-        longer read."""
-        # Ablation "no_quant": only the first block's rows are quantised (the stages then
+        kb + A (A = ``token_stages - 1``) are quantised into their stage from registers
+        loaded a block earlier, and block kb + A + 1's are loaded. The barrier of block kb
+        orders both: the stage of kb - 1 (= kb + A's) is no longer read, and kb + A's codes
+        are written A blocks before their MMAs. (With A = 1, at T = 1, a block's MMAs are
+        shorter than a token load's latency: the few-tile launches take more stages,
+        ``grouped_gemm_config.FEW_TILES_TOKEN_STAGES``; docs/performance.md.)"""
+        ahead = self.token_stages - 1
+        # Ablation "no_quant": only the blocks before the loop are quantised (the stages then
         # hold stale codes).
         if const_expr(not self.leaves_out("no_quant")):
-            if kb + 1 < kb1 and self.quantizing_warp(rows, tidx):
-                self.quantize_tokens(x_words, self.token_stage(base, kb + 1), tidx)
-                if kb + 2 < kb1:
-                    x_words = self.load_tokens(mX, row0, rows, kb + 2, tidx)
+            if kb + ahead < kb1 and self.quantizing_warp(rows, tidx):
+                self.quantize_block(x_words, self.token_stage(base, kb + ahead), tidx // 16,
+                                    tidx % 16, True)
+                if kb + ahead + 1 < kb1:
+                    x_words = self.load_tokens(mX, row0, rows, kb + ahead + 1, tidx)
         return x_words
 
     @cute.jit
     def load_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32, tidx: Int32):
-        """Thread tidx's 8 bf16 of K block ``kb``: columns 8 u .. 8 u + 7 of tile row r
-        (u = tidx % 16, r = tidx / 16; rows past the tile's count in a quantising warp read
-        its first row, whose outputs are never written), as four bf16x2 words."""
-        r, unit = tidx // 16, tidx % 16
+        """Thread tidx's 8 bf16 of K block ``kb`` of tile row r = tidx / 16 (rows past the
+        tile's count in a quantising warp read its first row, whose outputs are never
+        written)."""
+        r = tidx // 16
         x_row = row0 + r
         if r >= rows:
             x_row = row0
+        return self.load_row_block(mX, x_row, kb, tidx % 16)
+
+    @cute.jit
+    def load_row_block(self, mX: cute.Tensor, x_row: Int32, kb: Int32, unit: Int32):
+        """Columns 8 unit .. 8 unit + 7 of K block ``kb`` of row ``x_row`` of ``mX``, as four
+        bf16x2 words."""
         k_in = mX.shape[1]
         src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
         return load_global_words(src, 4)
 
     @cute.jit
-    def quantize_tokens(self, x_words, stage: Int32, tidx: Int32):
-        """The official 1 x 128 activation quantisation of one K block of the tile's rows
-        (``quant.act_quant``, bit for bit): each half warp holds a row, takes its largest
-        |x| by shuffles, and every thread writes the e4m3 codes of its 8 columns; the
-        row's first thread writes the f32 scale."""
-        r, unit = tidx // 16, tidx % 16
+    def quantize_block(self, x_words, stage: Int32, r: Int32, unit: Int32, store):
+        """The official 1 x 128 activation quantisation of one K block of tile row ``r``
+        (``quant.act_quant``, bit for bit), by a half warp: it takes the row's largest |x|
+        by shuffles, and each thread writes the e4m3 codes of its 8 columns (``unit``),
+        the first the f32 scale; nothing is stored unless ``store``."""
         amax = bf16x8_abs_max_bits(x_words)
         for offset in (8, 4, 2, 1):
             other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
             amax = other if other > amax else amax
         scale, inverse = act_scale_bits(amax)
         codes = bf16x8_to_e4m3x8(x_words, inverse)
-        dst = stage + r * BLOCK_K + fp8_warp_unit("tokens", r, unit // 2) * 16 + 8 * (unit % 2)
-        _store_words2(dst, codes)
-        if unit == 0:
-            _store_words2(stage + WARP_TOKENS * BLOCK_K + r * 4, (scale,))
+        if store:
+            dst = (stage + r * BLOCK_K + fp8_warp_unit("tokens", r, unit // 2) * 16
+                   + 8 * (unit % 2))
+            _store_words2(dst, codes)
+            if unit == 0:
+                _store_words2(stage + WARP_TOKENS * BLOCK_K + r * 4, (scale,))
 
     def weight_slot(self, stage, mat, half, chunk, lane):
         """Row-major rows of the warp's stage, units swizzled (``fp8_warp_unit``): the lanes

@@ -48,4 +48,4 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         block_n=config.block_n, num_stages=config.num_stages,
                         algorithm=config.algorithm, ablation=config.ablation,
                         scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
-                        split_k=config.split_k)
+                        split_k=config.split_k, token_stages=config.token_stages)

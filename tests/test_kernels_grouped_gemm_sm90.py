@@ -487,26 +487,45 @@ def test_compiles_for_sm90a(compiled, variant):
     assert compiled[variant].dump_to_object("moe")[:4] == b"\x7fELF"
 
 
-@pytest.mark.parametrize("fmt,gated,k", [("fp4", True, 512), ("fp8", False, 512),
-                                         ("fp4", False, 384)])
-def test_mma_fp8_compiles_for_sm90a(fmt, gated, k):
+@pytest.mark.parametrize("fmt,gated,k,token_stages", [
+    ("fp4", True, 512, 2), ("fp8", False, 512, 2), ("fp4", False, 384, 2),
+    ("fp8", False, 1024, 8)])
+def test_mma_fp8_compiles_for_sm90a(fmt, gated, k, token_stages):
     """"mma_fp8": FP8 tensor-core MMAs (4 per matrix and K block), the FP4 conversion by
     shifts (no bf16 conversion, no bf16 multiply), one CTA barrier per K block; the bf16
-    token rows quantised in the kernel (the prologue's block and the loop's: 4 conversions
-    of two e4m3 codes each, a row's largest |x| over 16 lanes), loaded into registers."""
-    config = support.choose_config(8, 4, fmt, decode_algorithm="mma_fp8")
+    token rows quantised in the kernel -- the token_stages - 1 passes before the loop and
+    the loop's one, each 4 conversions of two e4m3 codes and a row's largest |x| over 16
+    lanes -- from registers (a load per pass, the prologue's load of the first block
+    quantised in the loop, the loop's)."""
+    config = dataclasses.replace(support.choose_config(8, 4, fmt, decode_algorithm="mma_fp8"),
+                                 token_stages=token_stages)
     assert config.algorithm == "mma_fp8" and config.split_k == 1
     compiled = _compile(fmt, gated, config, k=k)
     ptx = compiled.artifacts.PTX
     mma = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
     assert len(mma) == 4 * (2 if gated else 1)
     assert "mul.rn.bf16x2" not in ptx and "wgmma" not in ptx and ptx.count("bar.sync") == 1
-    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * 4
-    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 2 * 4
-    assert len(re.findall(r"ld\.global\.nc\S*\.v4", ptx)) == 3       # blocks kb0, kb0 + 1, kb + 2
+    assert ptx.count("cvt.rn.satfinite.e4m3x2.f32") == token_stages * 4
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == token_stages * 4
+    assert len(re.findall(r"ld\.global\.nc\S*\.v4", ptx)) == token_stages + 1
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="GroupedGemmMmaFp8Sm90"):
         _compile("bf16", gated, dataclasses.replace(config, num_stages=3), k=k)
+
+
+def test_few_tile_decode_launches_quantise_their_tokens_ahead():
+    """The few-tile "mma_fp8" launches take FEW_TILES_TOKEN_STAGES token stages (a short K
+    range quantised before its loop), the others 2; only quantising kernels take more."""
+    few = support.choose_config(8, 4, "fp8", decode_algorithm="mma_fp8")
+    many = support.choose_config(64, 64, "fp4", decode_algorithm="mma_fp8")
+    assert few.token_stages == support.FEW_TILES_TOKEN_STAGES == support.MAX_TOKEN_STAGES
+    assert many.algorithm == "mma_fp8" and many.token_stages == 2
+    assert few.smem_bytes("fp8", True) - dataclasses.replace(few, token_stages=2).smem_bytes(
+        "fp8", True) == 6 * support.FP8_TOKEN_STAGE_BYTES
+    for bad in (dict(token_stages=9), dict(token_stages=1),
+                dict(algorithm="mma_sync", token_stages=4)):
+        with pytest.raises(ValueError, match="token_stages"):
+            dataclasses.replace(few, **bad)
 
 
 def test_k_split_for_few_rows():
@@ -668,6 +687,18 @@ def test_small_decode_launches_split_k_to_fill_the_gpu():
                                  split_k=None).split_k == 4                  # shared w2
     # 7 groups per split would leave the eighth split without work: 6 splits of 3 groups.
     assert support.auto_split_k(1, 1, "fp8", (16 * 4 * 128,), (70 * 64,)) == 6
+    # "mma_sync" (wo_a: bf16 tokens, 8 groups of one row) aims at 2 CTAs per SM, not 4.
+    wo_a = support.choose_config(8, 8, "fp8", decode_algorithm="mma_sync", n_outs=(1024,),
+                                 k_ins=(4096,), split_k=None)
+    assert (wo_a.algorithm, wo_a.split_k) == ("mma_sync", 2)
+    # Split launches take SPLIT_STAGES (their clusters must fit at once in a GPC), unsplit
+    # few-tile launches FEW_TILES_STAGES, fewer while two gated CTAs would not fit in an SM
+    # (wq_b: 8 token stages leave room for 5).
+    assert wo_a.num_stages == support.SPLIT_STAGES == 3
+    wq_b = support.choose_config(8, 1, "fp8", n_outs=(32768,), k_ins=(1024,), split_k=None)
+    assert support.FEW_TILES_STAGES == 6 and wq_b.num_stages == 5
+    assert 2 * wq_b.smem_bytes("fp8", True) <= support.SMEM_BYTES < 2 * dataclasses.replace(
+        wq_b, num_stages=6).smem_bytes("fp8", True)
     # Splits start scale groups: K = 512 (4 blocks, one FP8 group) cannot split.
     assert support.choose_config(8, 1, "fp8", n_outs=(512,), k_ins=(512,),
                                  split_k=None).split_k == 1

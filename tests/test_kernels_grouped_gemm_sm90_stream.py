@@ -123,15 +123,18 @@ def test_equals_mma_fp8_and_matches_the_reference(name):
     assert config.algorithm == "mma_fp8_stream"
     ok, why = launch_support(config, fmt, "bfloat16", rows, groups, [(gated, n, k)])
     assert ok, why
-    same = support.GroupedGemmSm90Config(block_n=8, num_stages=config.num_stages,
-                                         algorithm="mma_fp8", split_k=config.split_k)
+    # "mma_fp8" with its tokens quantised one block ahead (2 stages) and up front (8).
+    same = [support.GroupedGemmSm90Config(block_n=8, num_stages=config.num_stages,
+                                          algorithm="mma_fp8", split_k=config.split_k,
+                                          token_stages=stages) for stages in (2, 8)]
     run = jax.jit(lambda x, c, ids, w, kw: grouped_gemm_cute(x, ids, w, config=c, **kw,
                                                              **static), static_argnums=1)
-    got, again, fp8 = (run(x, c, ids, w, arrays) for c in (config, config, same))
+    got, again, *fp8 = (run(x, c, ids, w, arrays) for c in (config, config, *same))
     want = jax.jit(lambda x, ids, w, kw: grouped_gemm_reference(x, ids, w, **kw, **static))(
         x, ids, w, arrays)
     cases.check_against_reference(_f32(got), _f32(want), 1e-2, again=_f32(again))
-    np.testing.assert_array_equal(_f32(got), _f32(fp8))
+    for out in fp8:
+        np.testing.assert_array_equal(_f32(got), _f32(out))
 
 
 def _quantisation_edge_rows(rows: int, k: int) -> jax.Array:
@@ -162,20 +165,24 @@ def _quantisation_edge_rows(rows: int, k: int) -> jax.Array:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", [1, 4])
-def test_in_kernel_quantisation_is_act_quant_at_its_edges(split):
+@pytest.mark.parametrize("split, token_stages, rows", [
+    (1, 2, 8), (4, 2, 8), (1, 8, 8), (4, 8, 8), (1, 8, 3), (2, 5, 1)])
+def test_in_kernel_quantisation_is_act_quant_at_its_edges(split, token_stages, rows):
     """"mma_fp8" quantises the bf16 rows in the kernel; "mma_fp8_stream" multiplies
     ``quant.act_quant``'s codes with the same MMAs and sums: outputs equal bit for bit on
-    rows built to hit the quantisation's edges, and both match the reference."""
-    fmt, groups, n, k, rows = "fp8", 1, 256, 1536, 8
+    rows built to hit the quantisation's edges, and both match the reference. K = 12
+    blocks: with 8 token stages 7 quantised before the loop and 5 in it (no split), or all
+    before it (3 per split); 3 rows: passes with idle half warps."""
+    fmt, groups, n, k = "fp8", 1, 256, 1536
     key = jax.random.key(11)
     w = cases.random_weight(fmt, *jax.random.split(key), groups, n, k)
     x = _quantisation_edge_rows(rows, k)
     static = dict(simulate=True)
     run = jax.jit(lambda x, c, w: grouped_gemm_cute(x, None, w, config=c, **static),
                   static_argnums=1)
-    outs = [run(x, support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm=alg,
-                                                 split_k=split), w)
+    outs = [run(x, support.GroupedGemmSm90Config(
+        block_n=8, num_stages=4, algorithm=alg, split_k=split,
+        token_stages=token_stages if alg == "mma_fp8" else 2), w)
             for alg in ("mma_fp8", "mma_fp8_stream")]
     want = grouped_gemm_reference(x, None, w, **static)
     np.testing.assert_array_equal(_f32(outs[0]), _f32(outs[1]))
