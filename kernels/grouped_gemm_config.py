@@ -290,8 +290,6 @@ def warp_smem_bytes(weight_format: str, gated: bool, num_stages: int) -> int:
 FP8_TOKEN_STAGE_BYTES = WARP_TOKENS * BLOCK_K + WARP_TOKENS * 4
 
 
-
-
 def fp8_warp_smem_bytes(weight_format: str, gated: bool, num_stages: int,
                         token_stages: int = 2) -> int:
     """"mma_fp8": per CTA, the ``token_stages`` token stages it quantises into, a ring of
