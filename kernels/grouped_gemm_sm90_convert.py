@@ -29,13 +29,6 @@ def _asm(out_count: int, args: list, text: str, constraints: str, loc=None, ip=N
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-def _asm_words(out_count: int, args: list, text: str, constraints: str, loc=None, ip=None):
-    """``_asm`` with ``out_count`` > 1 32-bit results, as a tuple of words."""
-    res = _asm(out_count, args, text, constraints, loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
-                 for i in range(out_count))
-
-
 @dsl_user_op
 def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
     """Eight packed e2m1 codes (low nibble first) -> four bf16x2 words, times ``multiplier``.
@@ -70,7 +63,9 @@ def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
             f"mul.rn.bf16x2 ${2 * i + 1}, ${2 * i + 1}, $5;\n"
             for i in range(2))
         + "}")
-    return _asm_words(4, [word, multiplier], text, "=r,=r,=r,=r,r,r", loc, ip)
+    res = _asm(4, [word, multiplier], text, "=r,=r,=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
 
 
 @dsl_user_op
@@ -98,7 +93,9 @@ def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
             f"mul.rn.bf16x2 ${i}, ${i}, $3;\n"
             for i in range(2))
         + "}")
-    return _asm_words(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
+    res = _asm(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
 
 
 @dsl_user_op
@@ -124,7 +121,9 @@ def fp4x8_to_e4m3x8(word: Int32, *, loc=None, ip=None):
         "and.b32 b, $2, 0x80808080;\n"
         "or.b32 $1, a, b;\n"
         "}")
-    return _asm_words(2, [word], text, "=r,=r,r", loc, ip)
+    res = _asm(2, [word], text, "=r,=r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
 
 
 @dsl_user_op
@@ -181,7 +180,9 @@ def fp4x8_to_e4m3x8_table(word: Int32, table_lo: Int32, table_hi: Int32, *, loc=
         "prmt.b32 r, k, k, wh;\n"
         "shl.b32 r, r, 7;\n"
         "lop3.b32 $1, c, r, 0x80808080, 0xF8;\n}")
-    return _asm_words(2, [word, table_lo, table_hi], text, "=r,=r,r,r,r", loc, ip)
+    res = _asm(2, [word, table_lo, table_hi], text, "=r,=r,r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
 
 
 @dsl_user_op
@@ -348,7 +349,9 @@ def act_scale_bits(amax_bits: Int32, *, loc=None, ip=None):
             "mov.b32 m, 254;\n"
             "sub.u32 e, m, e;\n"
             "shl.b32 $1, e, 23;\n}")
-    return _asm_words(2, [amax_bits], text, "=r,=r,r", loc, ip)
+    res = _asm(2, [amax_bits], text, "=r,=r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
 
 
 @dsl_user_op
@@ -367,4 +370,6 @@ def bf16x8_to_e4m3x8(words, inv_scale_bits: Int32, *, loc=None, ip=None):
                       f"cvt.rn.satfinite.e4m3x2.f32 h{i}, fhi, flo;\n" for i in range(4))
             + "mov.b32 $0, {h0, h1};\n"
             "mov.b32 $1, {h2, h3};\n}")
-    return _asm_words(2, [*words, inv_scale_bits], text, "=r,=r,r,r,r,r,r", loc, ip)
+    res = _asm(2, [*words, inv_scale_bits], text, "=r,=r,r,r,r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
