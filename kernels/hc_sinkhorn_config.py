@@ -12,6 +12,15 @@ MAX_STREAMS = 8          # n: registers hold (2 + n) n mixes and the n x n matri
 MAX_GRID_X = 2 ** 31 - 1
 
 
+def lanes_per_token(n: int) -> int:
+    """Lanes per token of the shuffle dataflow: n n rounded up to a power of two, or 1 (one
+    thread per token) when that exceeds a warp."""
+    lanes = 1
+    while lanes < n * n:
+        lanes *= 2
+    return lanes if lanes <= 32 else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class HcSinkhornSm90Config:
     """One launch configuration: ``threads`` tokens per CTA (one thread each)."""

@@ -38,9 +38,9 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 
-from .hc_sinkhorn_config import HcSinkhornSm90Config
+from .hc_sinkhorn_config import HcSinkhornSm90Config, lanes_per_token
 
 LOG2_E = 1.4426950408889634
 
@@ -53,13 +53,46 @@ def _sigmoid(x: Float32) -> Float32:
     return Float32(1.0) / (Float32(1.0) + _exp(-x))
 
 
-def lanes_per_token(n: int) -> int:
-    """Lanes per token of the shuffle dataflow: n n rounded up to a power of two, or 1 (one
-    thread per token) when that exceeds a warp."""
-    lanes = 1
-    while lanes < n * n:
-        lanes *= 2
-    return lanes if lanes <= 32 else 1
+def split_lanes(mix, mScale: cute.Tensor, mBase: cute.Tensor, warp_lane: Int32, n: int,
+                lanes: int, iters: int, eps: float):
+    """The split of one token on its ``lanes`` lanes (the shuffle dataflow of the module
+    docstring; trace-time helper shared with ``hc_pre_sm90``). ``mix(i)`` is the token's
+    mix i. Returns this lane's ``(pre, post, comb)`` values: gate ``lane`` (meaningful on
+    lanes < n) and comb element ``lane`` (on lanes < n n). Every lane of the group must run
+    it (shuffles)."""
+    eps = Float32(eps)
+    lane = warp_lane % lanes
+    first = warp_lane - lane                 # the warp lane of this token's element 0
+    # Plain Python (not a cute.jit body): runtime choices are selects.
+    element = Int32(cutlass.select_(lane < n * n, lane, Int32(0)))
+    row, col = element // n, element % n
+    x = mix(2 * n + element) * mScale[2] + mBase[2 * n + element]
+    head = Int32(cutlass.select_(lane < n, lane, Int32(0)))
+    pre = _sigmoid(mix(head) * mScale[0] + mBase[head]) + eps
+    post = Float32(2.0) * _sigmoid(mix(n + head) * mScale[1] + mBase[n + head])
+
+    def gather(value, in_row: bool):
+        """The n elements of this lane's row (or column), in index order."""
+        return [cute.arch.shuffle_sync(value, first + (row * n + k if in_row else k * n + col))
+                for k in range(n)]
+
+    def total(values):
+        acc = values[0]
+        for v in values[1:]:
+            acc = acc + v
+        return acc
+
+    top = gather(x, True)                    # row softmax + eps
+    peak = top[0]
+    for v in top[1:]:
+        peak = cute.arch.fmax(peak, v)
+    e = _exp(x - peak)
+    x = e * (Float32(1.0) / total(gather(e, True))) + eps
+    x = x * (Float32(1.0) / (total(gather(x, False)) + eps))
+    for _ in range(iters - 1):              # unrolled at trace time
+        x = x * (Float32(1.0) / (total(gather(x, True)) + eps))
+        x = x * (Float32(1.0) / (total(gather(x, False)) + eps))
+    return pre, post, x
 
 
 class HcSinkhornSm90:
@@ -93,48 +126,15 @@ class HcSinkhornSm90:
         """P lanes per token (see the module docstring)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        n, lanes = self.n, self.lanes
-        eps = Float32(self.eps)
         tokens = mMix.shape[0]
-        t = bidx * (self.threads // lanes) + tidx // lanes
-        lane = tidx % lanes
-        first = tidx % 32 - lane                 # the warp lane of this token's element 0
+        t = bidx * (self.threads // self.lanes) + tidx // self.lanes
+        lane = tidx % self.lanes
         src = t
         if t >= tokens:
             src = tokens - 1
-        element = lane
-        if lane >= n * n:
-            element = 0
-        row, col = element // n, element % n
-        x = mMix[src, 2 * n + element] * mScale[2] + mBase[2 * n + element]
-        head = lane
-        if lane >= n:
-            head = 0
-        pre = _sigmoid(mMix[src, head] * mScale[0] + mBase[head]) + eps
-        post = Float32(2.0) * _sigmoid(mMix[src, n + head] * mScale[1] + mBase[n + head])
-
-        def gather(value, in_row: bool):
-            """The n elements of this lane's row (or column), in index order."""
-            return [cute.arch.shuffle_sync(value, first + (row * n + k if in_row
-                                                           else k * n + col))
-                    for k in range(n)]
-
-        def total(values):
-            acc = values[0]
-            for v in values[1:]:
-                acc = acc + v
-            return acc
-
-        top = gather(x, True)                    # row softmax + eps
-        peak = top[0]
-        for v in top[1:]:
-            peak = cute.arch.fmax(peak, v)
-        e = _exp(x - peak)
-        x = e * (Float32(1.0) / total(gather(e, True))) + eps
-        x = x * (Float32(1.0) / (total(gather(x, False)) + eps))
-        for _ in cutlass.range_constexpr(self.iters - 1):
-            x = x * (Float32(1.0) / (total(gather(x, True)) + eps))
-            x = x * (Float32(1.0) / (total(gather(x, False)) + eps))
+        pre, post, x = split_lanes(lambda i: mMix[src, i], mScale, mBase, tidx % 32, self.n,
+                                   self.lanes, self.iters, self.eps)
+        n = self.n
         if t < tokens:
             if lane < n * n:
                 mComb[t, lane] = x
