@@ -4,6 +4,7 @@ Importing this package registers every op (``registry.op_names()``); ``KernelPol
 (``policy.py``) chooses their implementations and kernel configurations as a value.
 """
 from .grouped_gemm import grouped_gemm, grouped_gemm_reference
+from .hc_pre import hc_pre, hc_pre_reference
 from .hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
 from .indexer import index_topk, index_topk_reference
 from .moe import (moe_expert_rows, moe_expert_rows_reference, moe_experts,
@@ -12,7 +13,8 @@ from .policy import GroupedGemmPolicy, KernelPolicy
 from .registry import op_names, op_spec
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
-__all__ = ["grouped_gemm", "grouped_gemm_reference", "hc_split_sinkhorn",
+__all__ = ["grouped_gemm", "grouped_gemm_reference", "hc_pre", "hc_pre_reference",
+           "hc_split_sinkhorn",
            "hc_split_sinkhorn_reference", "index_topk", "index_topk_reference",
            "moe_expert_rows", "moe_expert_rows_reference", "moe_experts", "moe_experts_reference",
            "sparse_attention", "sparse_attention_reference", "GroupedGemmPolicy",

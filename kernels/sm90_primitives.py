@@ -65,3 +65,65 @@ def load_cluster_f32x4(addr: Int32, rank: Int32, *, loc=None, ip=None):
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
                  for i in range(4))
+
+
+@dsl_user_op
+def load_cluster_f32(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Float32:
+    """One f32 at shared address ``addr`` of the cluster's CTA ``rank``; ordered as
+    ``load_cluster_f32x4``."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $1, $2;\n"
+        "ld.shared::cluster.f32 $0, [remote];\n}",
+        "=f,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def load_global_f32x4(addr: Int64, *, loc=None, ip=None):
+    """Four f32 from a read-only, 16-byte aligned global address (``ld.global.nc``, not
+    kept in L1: bytes the SM reads once)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.L1::no_allocate.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
+@dsl_user_op
+def load_global_bf16x4(addr: Int64, *, loc=None, ip=None):
+    """Four bf16 from a read-only, 8-byte aligned global address, widened to f32 (exact)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 lo, hi;\nld.global.nc.v2.b32 {lo, hi}, [$4];\n"
+        "shl.b32 $0, lo, 16;\nand.b32 $1, lo, 0xffff0000;\n"
+        "shl.b32 $2, hi, 16;\nand.b32 $3, hi, 0xffff0000;\n}",
+        "=f,=f,=f,=f,l", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
+@dsl_user_op
+def round_bf16(value: Float32, *, loc=None, ip=None) -> Float32:
+    """``value`` rounded to bf16 (to nearest even) and widened back to f32."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(value).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 w;\ncvt.rn.bf16x2.f32 w, $1, $1;\nand.b32 $0, w, 0xffff0000;\n}",
+        "=f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def store_global_bf16x4(addr: Int64, values, *, loc=None, ip=None) -> None:
+    """Four f32 ``values`` rounded to bf16 (to nearest even) at an 8-byte aligned global
+    address."""
+    llvm.inline_asm(
+        None, [Int64(addr).ir_value(loc=loc, ip=ip)]
+        + [Float32(v).ir_value(loc=loc, ip=ip) for v in values],
+        "{\n.reg .b32 lo, hi;\ncvt.rn.bf16x2.f32 lo, $2, $1;\ncvt.rn.bf16x2.f32 hi, $4, $3;\n"
+        "st.global.v2.b32 [$0], {lo, hi};\n}",
+        "l,f,f,f,f,~{memory}", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)

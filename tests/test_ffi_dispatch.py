@@ -59,8 +59,8 @@ def test_unsupported_shapes_fall_back_to_the_reference_for_cuda():
 
 
 def test_every_op_is_registered_under_its_public_name():
-    assert op_names() == ("grouped_gemm", "hc_split_sinkhorn", "index_topk", "moe_expert_rows",
-                          "moe_experts", "sparse_attention")
+    assert op_names() == ("grouped_gemm", "hc_pre", "hc_split_sinkhorn", "index_topk",
+                          "moe_expert_rows", "moe_experts", "sparse_attention")
     for name in op_names():
         spec = op_spec(name)
         assert spec.name == name
@@ -86,7 +86,7 @@ def test_environment_parses_into_a_policy(value, op, expected):
 @pytest.mark.parametrize("env, message", [
     ({"DSV4_IMPLEMENTATION": "fast"}, r"DSV4_IMPLEMENTATION='fast': the value 'fast' must be"),
     ({"DSV4_IMPLEMENTATION": "moe=xla"},
-     r"DSV4_IMPLEMENTATION='moe=xla': unknown op 'moe'; the ops are grouped_gemm, hc_split_"),
+     r"DSV4_IMPLEMENTATION='moe=xla': unknown op 'moe'; the ops are grouped_gemm, hc_pre, hc_split_"),
     ({"DSV4_IMPLEMENTATION": "moe_experts=triton"},
      r"moe_experts: implementation must be one of \('xla', 'cute'\)"),
     ({"DSV4_MOE_ALGORITHM": "simt"}, r"DSV4_MOE_ALGORITHM='simt': must be one of \('wgmma'"),

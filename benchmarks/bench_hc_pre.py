@@ -1,0 +1,92 @@
+"""Benchmark the mHC pre of one sub-block (``dsv4_jax.ffi.hc_pre``: stream mixes, split,
+collapse, RMSNorm) at DSV4 dims: the fused kernel against the XLA chain it replaces (with the
+split kernel inside), device time and launches per call.
+
+    python benchmarks/bench_hc_pre.py [--dims flash,pro] [--tokens 1,8,64,256] [--runs 50]
+                                      [--markdown out.md]
+    python benchmarks/bench_hc_pre.py --tiny        # dry run (CPU: the chain only)
+
+Device: the sum of the device ops of one traced call (``step_figures.trace_device_ops``)
+and their count; wall: ``timing.median_seconds`` (each call waited for, warm-up excluded).
+Floor: the bytes read once (x, the f32 mixing weights, the norm weight) and written, at
+``PEAK_TBPS``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.config import Config
+from dsv4_jax.ffi import hc_pre
+from step_figures import trace_device_ops
+from timing import PEAK_TBPS, median_seconds
+
+DIMS = {"flash": Config.flash, "pro": Config.pro}
+
+
+def make_inputs(tokens, n, dim, seed=0):
+    kx, kf, kb = jax.random.split(jax.random.key(seed), 3)
+    mixes = (2 + n) * n
+    x = jax.random.normal(kx, (tokens, n, dim), jnp.float32).astype(jnp.bfloat16)
+    fn = jax.random.normal(kf, (mixes, n * dim), jnp.float32) * (n * dim) ** -0.5
+    base = jax.random.normal(kb, (mixes,), jnp.float32) * 0.5
+    return jax.block_until_ready((x, fn, jnp.ones((3,), jnp.float32), base,
+                                  jnp.ones((dim,), jnp.bfloat16)))
+
+
+def floor_us(tokens, n, dim):
+    nbytes = tokens * n * dim * 2 + (2 + n) * n * n * dim * 4 + dim * 2 + tokens * dim * 2
+    return nbytes / (PEAK_TBPS * 1e12) * 1e6
+
+
+def time_op(args, impl, cfg, runs):
+    static = dict(n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
+                  norm_eps=cfg.norm_eps)
+    fn = jax.jit(lambda *a: hc_pre(*a, **static, implementation=impl))
+    wall = median_seconds(fn, *args, runs=runs) * 1e6
+    totals, counts = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
+    return wall, sum(totals.values()), sum(counts.values())
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dims", default="flash,pro")
+    p.add_argument("--tokens", default="1,8,64,256")
+    p.add_argument("--impls", default="xla,cute")
+    p.add_argument("--runs", type=int, default=50)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--markdown")
+    args = p.parse_args(argv)
+    impls = ["xla"] if args.tiny else args.impls.split(",")
+    lines = [f"bench_hc_pre {datetime.date.today()} {jax.devices()[0].device_kind}: "
+             f"{' '.join(sys.argv[1:])}", "",
+             "| dims | tokens | " + " | ".join(f"{i}: wall / device us (launches)"
+                                              for i in impls) + " | byte floor (us) |",
+             "|---|---|" + "---|" * (len(impls) + 1)]
+    for name in args.dims.split(","):
+        cfg = Config.tiny() if args.tiny else DIMS[name]()
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            inputs = make_inputs(tokens, cfg.hc_mult, cfg.dim)
+            cells = []
+            for impl in impls:
+                try:
+                    wall, device, launches = time_op(inputs, impl, cfg, args.runs)
+                    cells.append(f"{wall:.1f} / {device:.1f} ({launches})")
+                except Exception as err:  # noqa: BLE001 -- a row's failure is reported in it
+                    cells.append(f"error: {type(err).__name__}: {str(err)[:80]}")
+            lines.append(f"| {name} | {tokens} | " + " | ".join(cells)
+                         + f" | {floor_us(tokens, cfg.hc_mult, cfg.dim):.2f} |")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

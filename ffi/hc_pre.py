@@ -1,0 +1,56 @@
+"""The mHC pre of one sub-block (docs/architecture.md §3.2): the stream mixes, the mHC split,
+the collapse of the streams into the sub-block input and its RMSNorm, in one op.
+
+Contract::
+
+    hc_pre(x, fn, scale, base, weight, *, n, iters, hc_eps, norm_eps, implementation=None,
+           split_implementation=None) -> (out [..., d], post [..., n], comb [..., n, n])
+
+    x: [..., n, d] floating (the residual streams)   fn: [(2 + n) n, n d] f32
+    scale: [3]   base: [(2 + n) n]   weight: [d] (the sub-block's RMSNorm weight)
+    mix  = (flatten(x) @ fn.T) * rsqrt(mean(flatten(x)^2) + norm_eps)      in f32
+    pre, post, comb = hc_split_sinkhorn(mix, scale, base, n=n, iters=iters, eps=hc_eps)
+    y    = (sum_j pre[j] x[j]) in f32, cast to x's dtype
+    out  = rms_norm(y, weight, norm_eps)                                     x's dtype
+
+The reference (``ffi/hc_pre_reference.py``) is that chain in XLA; the Hopper kernel
+(``ffi/hc_pre_sm90.py``) runs it in one launch for decode-size inputs (bf16 x, at most
+``kernels.hc_pre_config.MAX_TOKENS`` tokens). Where the kernel does not run, the chain runs
+with the split as its own op (``split_implementation``: its kernel on Hopper).
+"""
+from __future__ import annotations
+
+from . import hc_pre_sm90
+from .dispatch import dispatch
+from .hc_pre_reference import check_hc_pre_args, hc_pre_reference
+from .hc_sinkhorn import hc_split_sinkhorn
+from .registry import OpSpec, register
+
+__all__ = ["hc_pre", "hc_pre_reference", "check_hc_pre_args"]
+
+
+def _support(x, fn=None, scale=None, base=None, weight=None, *, n, **_):
+    return hc_pre_sm90.support(x, fn, weight, n)
+
+
+def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, norm_eps: float,
+           implementation: str | None = None, split_implementation: str | None = None):
+    """The mHC pre; see the module docstring. ``implementation``: ``"cute"`` (the Hopper
+    kernel; raises when it cannot run), ``"xla"`` (the XLA chain) or None (the kernel when
+    lowering for a Hopper GPU and it supports the arguments, else the chain).
+    ``split_implementation``: the split's, inside the chain."""
+    check_hc_pre_args(x, fn, scale, base, weight, n, iters)
+    static = dict(n=n, iters=iters, hc_eps=float(hc_eps), norm_eps=float(norm_eps))
+
+    def split(mixes, s, b, *, n, iters, eps):
+        return hc_split_sinkhorn(mixes, s, b, n=n, iters=iters, eps=eps,
+                                 implementation=split_implementation)
+
+    return dispatch("hc_pre", implementation,
+                    lambda: _support(x, fn, weight=weight, n=n),
+                    lambda *a: hc_pre_reference(*a, **static, split=split),
+                    lambda *a: hc_pre_sm90.hc_pre_cute(*a, **static),
+                    x, fn, scale, base, weight)
+
+
+register(OpSpec("hc_pre", hc_pre_reference, _support))

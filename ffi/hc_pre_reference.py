@@ -1,0 +1,71 @@
+"""The mHC pre's pure-JAX reference, its parts and argument checks (contract: ``ffi/hc_pre.py``).
+
+The parts (``stream_mixes``, ``collapse``, ``rms_norm``) are the model's own definitions:
+``models/mhc.py`` and ``models/layers.py`` import them from here, so the op and the model
+cannot drift apart.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .hc_sinkhorn_reference import hc_split_sinkhorn_reference
+
+__all__ = ["hc_pre_reference", "check_hc_pre_args", "stream_mixes", "collapse", "rms_norm"]
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """``(flatten(X) @ fn.T) * rsqrt(mean(flatten(X)^2) + eps)`` in f32: ``[..., rows(fn)]``."""
+    xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
+    rsqrt = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
+    return jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=HIGHEST) * rsqrt
+
+
+def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+    """``sum_j pre[j] X[j]`` in f32, cast to X's dtype: the sub-block input ``[..., d]``."""
+    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """``w * x / sqrt(mean(x^2) + eps)`` in f32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        y = weight.astype(jnp.float32) * y
+    return y.astype(x.dtype)
+
+
+def check_hc_pre_args(x, fn, scale, base, weight, n: int, iters: int) -> None:
+    """``TypeError``/``ValueError`` naming the argument and its shape, in one line."""
+    op = "hc_pre"
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"{op}: n must be a positive int, got {n!r}")
+    if not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"{op}: iters must be a positive int, got {iters!r}")
+    if x.ndim < 2 or x.shape[-2] != n:
+        raise ValueError(f"{op}: x must be [..., n = {n}, d]; x has shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{op}: x must be floating; x has dtype {x.dtype}")
+    d, mixes = x.shape[-1], (2 + n) * n
+    if tuple(fn.shape) != (mixes, n * d):
+        raise ValueError(f"{op}: fn must be [(2 + n) n = {mixes}, n d = {n * d}] for x of "
+                         f"shape {tuple(x.shape)}; fn has shape {tuple(fn.shape)}")
+    if tuple(scale.shape) != (3,):
+        raise ValueError(f"{op}: scale must be [3]; scale has shape {tuple(scale.shape)}")
+    if tuple(base.shape) != (mixes,):
+        raise ValueError(f"{op}: base must be [{mixes}]; base has shape {tuple(base.shape)}")
+    if tuple(weight.shape) != (d,):
+        raise ValueError(f"{op}: weight must be [d = {d}] for x of shape {tuple(x.shape)}; "
+                         f"weight has shape {tuple(weight.shape)}")
+
+
+def hc_pre_reference(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float,
+                     norm_eps: float, split=hc_split_sinkhorn_reference):
+    """Pure-JAX definition of ``hc_pre`` (runs anywhere). ``split``: the mHC split to use
+    (its reference by default; the op's XLA path passes the ``hc_split_sinkhorn`` op)."""
+    check_hc_pre_args(x, fn, scale, base, weight, n, iters)
+    pre, post, comb = split(stream_mixes(x, fn, norm_eps), scale, base, n=n, iters=iters,
+                            eps=hc_eps)
+    return rms_norm(collapse(x, pre), weight, norm_eps), post, comb

@@ -1,0 +1,46 @@
+"""``hc_pre`` on Hopper: one launch of ``kernels/hc_pre_sm90.py`` (a cluster per group of
+tokens) as an XLA custom call."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv4_jax.kernels.hc_pre_config import DEFAULT_CONFIG, HcPreSm90Config
+
+__all__ = ["support", "hc_pre_cute"]
+
+
+def _tokens(x) -> int:
+    tokens = 1
+    for d in x.shape[:-2]:
+        tokens *= d
+    return tokens
+
+
+def support(x, fn, weight, n: int, config: HcPreSm90Config = DEFAULT_CONFIG
+            ) -> tuple[bool, str]:
+    """``config.is_supported`` for these arguments; imports no cutlass."""
+    name = lambda a: jnp.dtype(a.dtype).name  # noqa: E731
+    return config.is_supported(n=n, dim=x.shape[-1], tokens=_tokens(x), x_dtype=name(x),
+                               fn_dtype=name(fn), weight_dtype=name(weight))
+
+
+def hc_pre_cute(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float,
+                norm_eps: float, config: HcPreSm90Config | None = None):
+    """The kernel on ``x [..., n, d]`` bf16 -> ``(out [..., d] bf16, post, comb)``."""
+    # Imported when a kernel is emitted (the reference path never loads cutlass); cute_call
+    # first: it pins CUTE_DSL_ARCH before cutlass is imported.
+    from .cute_call import cute_call
+    from dsv4_jax.kernels import hc_pre_sm90 as kernel
+
+    config = config or DEFAULT_CONFIG
+    lead, d = x.shape[:-2], x.shape[-1]
+    t = _tokens(x)
+    shapes = (jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, n), jnp.float32),
+              jax.ShapeDtypeStruct((t, n * n), jnp.float32))
+    out, post, comb = cute_call(
+        kernel.hc_pre_launcher, shapes, x.reshape(t, n * d), fn, scale.astype(jnp.float32),
+        base.astype(jnp.float32), weight, n=n, dim=d, tokens=t, iters=iters,
+        hc_eps=float(hc_eps), norm_eps=float(norm_eps), cluster=config.cluster,
+        tokens_per_cluster=config.tokens_per_cluster)
+    return out.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)

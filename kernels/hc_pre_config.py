@@ -1,0 +1,62 @@
+"""``hc_pre`` on Hopper: the fused mHC-pre kernel's configuration and limits, no CuTe DSL.
+
+The CuTe DSL code is ``hc_pre_sm90.py``: one cluster of ``cluster`` CTAs per group of up to
+``tokens_per_cluster`` tokens computes the stream mixes, the mHC split, the collapse of the
+streams and the sub-block's RMSNorm in one launch (docs/architecture.md §3.2).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .hc_sinkhorn_config import lanes_per_token
+
+THREADS = 256
+MAX_CLUSTER = 8          # the portable cluster size: no launch attribute needed
+MAX_TOKENS_PER_CLUSTER = 4
+# Per token and thread: (2 + n) n mix sums and one sum of squares stay in registers through
+# the K loop, next to the 24 float4 mixing-weight loads in flight.
+MAX_SUMS_PER_THREAD = 128
+# Above this many tokens the stream mixes are a real GEMM (each cluster re-reads the f32
+# mixing weights): XLA's dot and the split kernel run instead (docs/performance.md).
+MAX_TOKENS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class HcPreSm90Config:
+    """One launch configuration: ``cluster`` CTAs split each token's K = n d mix sums and
+    d columns; each cluster takes ``tokens_per_cluster`` tokens."""
+    cluster: int = MAX_CLUSTER
+    tokens_per_cluster: int = MAX_TOKENS_PER_CLUSTER
+
+    def __post_init__(self):
+        if self.cluster not in (1, 2, 4, 8):
+            raise ValueError(f"HcPreSm90Config: cluster must be 1, 2, 4 or 8, got "
+                             f"{self.cluster}")
+        if not 1 <= self.tokens_per_cluster <= MAX_TOKENS_PER_CLUSTER:
+            raise ValueError(f"HcPreSm90Config: tokens_per_cluster must be in [1, "
+                             f"{MAX_TOKENS_PER_CLUSTER}], got {self.tokens_per_cluster}")
+
+    def tokens_for(self, tokens: int) -> int:
+        """Tokens per cluster of a launch over ``tokens`` (no more than there are)."""
+        return max(1, min(self.tokens_per_cluster, tokens))
+
+    def is_supported(self, *, n: int, dim: int, tokens: int, x_dtype: str, fn_dtype: str,
+                     weight_dtype: str) -> tuple[bool, str]:
+        """``(True, "")`` when the kernel handles these arguments, else ``(False, reason)``."""
+        if x_dtype != "bfloat16" or weight_dtype != "bfloat16":
+            return False, f"x of dtype {x_dtype} and norm weight {weight_dtype} (takes bf16)"
+        if fn_dtype != "float32":
+            return False, f"fn of dtype {fn_dtype} (takes f32)"
+        if lanes_per_token(n) == 1:
+            return False, f"n = {n} streams (the split runs on n n <= 32 lanes)"
+        if dim % (4 * self.cluster):
+            return False, f"dim = {dim} (a multiple of 4 x cluster = {4 * self.cluster})"
+        if not 1 <= tokens <= MAX_TOKENS:
+            return False, f"{tokens} tokens (the kernel takes 1 .. {MAX_TOKENS})"
+        sums = self.tokens_for(tokens) * ((2 + n) * n + 1)
+        if sums > MAX_SUMS_PER_THREAD:
+            return False, f"{sums} sums per thread (at most {MAX_SUMS_PER_THREAD})"
+        return True, ""
+
+
+DEFAULT_CONFIG = HcPreSm90Config()

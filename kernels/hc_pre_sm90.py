@@ -1,0 +1,320 @@
+"""The mHC pre of one sub-block for Hopper (sm_90a), in CuTe DSL: one launch for what XLA
+runs as a chain of small fusions (docs/architecture.md §3.2, docs/performance.md).
+
+Computes ``hc_pre`` (``ffi/hc_pre.py``) for every token t of X ``[T, n, d]`` (bf16):
+
+    mix[t]  = (flatten(X[t]) @ fn.T) * rsqrt(mean(flatten(X[t])^2) + norm_eps)   (f32)
+    pre, post, comb = the mHC split of mix[t] (``hc_sinkhorn_sm90.split_lanes``)
+    y[t]    = bf16(sum_j pre[j] X[t, j])
+    out[t]  = bf16(w * (y[t] * rsqrt(mean(y[t]^2) + norm_eps)))
+
+Dataflow: a cluster of C CTAs (256 threads each) per group of TB tokens; CTA r of the
+cluster owns the contiguous K slice [r K / C, (r + 1) K / C) of the flattened streams
+(K = n d) for the mix sums, and the column slice [r d / C, (r + 1) d / C) of y.
+1. Mix sums: each thread takes 4 consecutive K elements per pass. It issues its 24 float4
+   loads of ``fn`` (read once per cluster, not kept in L1) and its TB bf16x4 loads of X
+   before any arithmetic, then adds x * fn into (2 + n) n sums per token and x^2 into one
+   more. The TB ((2 + n) n + 1) sums (padded to a multiple of 32) are reduce-scattered over
+   the warp by butterfly shuffles (lane l ends with sums [l q, (l + 1) q)), summed over the
+   warps in warp order through shared memory, and over the cluster's CTAs in rank order
+   through distributed shared memory: every CTA then holds the same totals.
+2. The split: n n lanes per token (``split_lanes``) in every CTA (each needs ``pre``); CTA 0
+   stores ``post`` and ``comb``.
+3. Collapse and norm: each thread takes 4 columns of a token per pass, re-reads the n
+   streams' bf16 values (L2 hits), rounds y to bf16 as the reference does, and keeps it in
+   registers; the per-token sums of y^2 are added over the warp, the CTA and the cluster as
+   in 1; then the normalised, weighted row is stored as bf16.
+Tokens of the last group past T load the last token's rows and store nothing.
+
+Numerics: f32 throughout; the sums' order (per thread in K order, then lanes, warps and
+CTAs) differs from XLA's, so mixes differ by a few f32 ulps and y, out occasionally by one
+bf16 ulp (tests/test_hc_pre.py bounds it).
+
+Constraints (``hc_pre_config``): bf16 X and norm weight, f32 fn, scale, base; n n <= 32;
+d a multiple of 4 C; TB ((2 + n) n + 1) <= 128.
+"""
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from .hc_pre_config import THREADS, HcPreSm90Config
+from .hc_sinkhorn_config import lanes_per_token
+from .hc_sinkhorn_sm90 import split_lanes
+from .sm90_primitives import (load_cluster_f32, load_global_bf16x4, load_global_f32x4,
+                              round_bf16, store_global_bf16x4)
+
+WARPS = THREADS // 32
+
+
+class HcPreSm90:
+    """Static configuration of one compiled kernel (see the module docstring)."""
+
+    def __init__(self, n: int, dim: int, tokens: int, iters: int, hc_eps: float,
+                 norm_eps: float, config: HcPreSm90Config):
+        self.n, self.dim, self.tokens, self.iters = n, dim, tokens, iters
+        self.hc_eps, self.norm_eps = float(hc_eps), float(norm_eps)
+        self.cluster = config.cluster
+        self.tb = config.tokens_for(tokens)
+        self.groups = -(-tokens // self.tb)
+        self.k = n * dim
+        self.mixes = (2 + n) * n
+        self.per_token = self.mixes + 1                    # the mix sums and the sum of x^2
+        self.sums = self.tb * self.per_token
+        self.padded = -(-self.sums // 32) * 32
+        self.k_units = self.k // self.cluster // 4         # float4 units of a CTA's K slice
+        self.col_units = dim // self.cluster // 4          # 4-column units of its y slice
+        self.out_units = self.tb * self.col_units
+        self.lanes = lanes_per_token(n)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
+                 mBase: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
+                 mComb: cute.Tensor, stream: cuda.CUstream):
+        padded, tb = self.padded, self.tb
+
+        @cute.struct
+        class SharedStorage:
+            warp_sums: cute.struct.MemRange[Float32, WARPS * padded]
+            cta_sums: cute.struct.MemRange[Float32, padded]
+            totals: cute.struct.MemRange[Float32, padded]
+            pre: cute.struct.MemRange[Float32, tb * self.n]
+            warp_sq: cute.struct.MemRange[Float32, WARPS * tb]
+            cta_sq: cute.struct.MemRange[Float32, tb]
+            total_sq: cute.struct.MemRange[Float32, tb]
+
+        self.shared_storage = SharedStorage
+        launched = self.kernel(mX, mFn, mScale, mBase, mW, mOut, mPost, mComb)
+        grid = [self.cluster, self.groups, 1]
+        if const_expr(self.cluster > 1):
+            launched.launch(grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
+                            stream=stream)
+        else:
+            launched.launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    # ---------------------------------------------------------------- device
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
+               mBase: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
+               mComb: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        rank, group, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        lane = tidx % 32
+        t0 = group * self.tb
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sums = cute.make_rmem_tensor((self.padded,), Float32)
+        sums.fill(0.0)
+        for i in cutlass.range_constexpr(-(-self.k_units // THREADS)):
+            u = tidx + i * THREADS
+            if const_expr((i + 1) * THREADS <= self.k_units):
+                self.mix_pass(sums, mX, mFn, rank, t0, u)
+            else:
+                if u < self.k_units:
+                    self.mix_pass(sums, mX, mFn, rank, t0, u)
+        self.reduce_scatter(sums, storage, warp, lane)
+        totals = self.cluster_sums(storage.cta_sums, storage.totals, self.padded, self.sums,
+                                   tidx)
+        self.split(totals, storage.pre, mScale, mBase, mPost, mComb, rank, t0, warp, lane)
+        self.collapse_and_norm(storage, mX, mW, mOut, rank, t0, warp, lane, tidx)
+        if const_expr(self.cluster > 1):
+            # No CTA leaves while another may still read its shared memory.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def source_token(self, t0: Int32, t: int) -> Int32:
+        """Token of group slot t; slots past the end read the last token."""
+        src = t0 + t
+        if src >= self.tokens:
+            src = self.tokens - 1
+        return src
+
+    @cute.jit
+    def mix_pass(self, sums: cute.Tensor, mX: cute.Tensor, mFn: cute.Tensor, rank: Int32,
+                 t0: Int32, u: Int32):
+        """K elements [k, k + 4) of every token into the sums; all loads first."""
+        k = rank * (self.k // self.cluster) + 4 * u
+        fn = mFn.iterator.toint()
+        w = [load_global_f32x4(fn + (Int64(m * self.k) + k.to(Int64)) * 4)
+             for m in range(self.mixes)]
+        xs = [load_global_bf16x4(mX.iterator.toint()
+                                 + (self.source_token(t0, t).to(Int64) * self.k
+                                    + k.to(Int64)) * 2)
+              for t in range(self.tb)]
+        for t in cutlass.range_constexpr(self.tb):
+            x = xs[t]
+            for m in cutlass.range_constexpr(self.mixes):
+                acc = sums[t * self.per_token + m]
+                for e in cutlass.range_constexpr(4):
+                    acc = acc + x[e] * w[m][e]
+                sums[t * self.per_token + m] = acc
+            sq = sums[t * self.per_token + self.mixes]
+            for e in cutlass.range_constexpr(4):
+                sq = sq + x[e] * x[e]
+            sums[t * self.per_token + self.mixes] = sq
+
+    @cute.jit
+    def reduce_scatter(self, sums: cute.Tensor, storage, warp: Int32, lane: Int32):
+        """The warp's sums: lane l gets the warp total of sums [l q, (l + 1) q) (q =
+        padded / 32) by butterfly shuffles, stored in warp row of ``warp_sums``; then
+        thread i < padded adds sum i over the warps in warp order into ``cta_sums``."""
+        vals = [sums[i] for i in range(self.padded)]
+        for stage in cutlass.range_constexpr(5):
+            offset = 16 >> stage
+            upper = (lane & offset) != 0
+            count = len(vals) // 2
+            # A comprehension (unrolled at trace time: up to 64 sums per stage).
+            vals = [Float32(cutlass.select_(upper, vals[count + i], vals[i]))
+                    + cute.arch.shuffle_sync_bfly(
+                        Float32(cutlass.select_(upper, vals[i], vals[count + i])),
+                        offset=offset)
+                    for i in range(count)]
+        q = self.padded // 32
+        warp_sums = storage.warp_sums.get_tensor(cute.make_layout((WARPS * self.padded,)))
+        for i in cutlass.range_constexpr(q):
+            warp_sums[warp * self.padded + lane * q + i] = vals[i]
+        cute.arch.barrier()
+        tidx = warp * 32 + lane
+        cta_sums = storage.cta_sums.get_tensor(cute.make_layout((self.padded,)))
+        if tidx < self.padded:
+            total = warp_sums[tidx]
+            for w in cutlass.range_constexpr(1, WARPS):
+                total = total + warp_sums[w * self.padded + tidx]
+            cta_sums[tidx] = total
+
+    @cute.jit
+    def cluster_sums(self, cta_field, total_field, size: cutlass.Constexpr,
+                     count: cutlass.Constexpr, tidx: Int32) -> cute.Tensor:
+        """Thread i < count adds value i of every CTA's ``cta_field`` in rank order into
+        its own ``total_field`` (read through distributed shared memory between cluster
+        barriers); returns ``total_field`` as a tensor, after a CTA barrier."""
+        cta = cta_field.get_tensor(cute.make_layout((size,)))
+        totals = total_field.get_tensor(cute.make_layout((size,)))
+        cta_addr = cta_field.data_ptr().toint()
+        if const_expr(self.cluster > 1):
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            if tidx < count:
+                addr = cta_addr + 4 * tidx
+                total = load_cluster_f32(addr, Int32(0))
+                for r in cutlass.range_constexpr(1, self.cluster):
+                    total = total + load_cluster_f32(addr, Int32(r))
+                totals[tidx] = total
+        else:
+            cute.arch.barrier()
+            if tidx < count:
+                totals[tidx] = cta[tidx]
+        cute.arch.barrier()
+        return totals
+
+    @cute.jit
+    def split(self, totals: cute.Tensor, pre_field, mScale: cute.Tensor, mBase: cute.Tensor,
+              mPost: cute.Tensor, mComb: cute.Tensor, rank: Int32, t0: Int32, warp: Int32,
+              lane: Int32):
+        """The mHC split of the group's tokens, n n lanes each; ``pre`` into shared
+        memory (every CTA), ``post`` and ``comb`` to global memory (CTA 0)."""
+        n, lanes = self.n, self.lanes
+        per_warp = 32 // lanes
+        pre_s = pre_field.get_tensor(cute.make_layout((self.tb * n,)))
+        if warp < -(-self.tb // per_warp):
+            slot = warp * per_warp + lane // lanes
+            src = slot
+            if slot >= self.tb:
+                src = self.tb - 1
+            first = src * self.per_token
+            rs = cute.math.rsqrt(totals[first + self.mixes] / Float32(self.k)
+                                 + Float32(self.norm_eps))
+            pre, post, comb = split_lanes(lambda i: totals[first + i] * rs, mScale, mBase,
+                                          lane, n, lanes, self.iters, self.hc_eps)
+            element = lane % lanes
+            if slot < self.tb:
+                if element < n:
+                    pre_s[slot * n + element] = pre
+                t = t0 + slot
+                if rank == 0 and t < self.tokens:
+                    if element < n * n:
+                        mComb[t, element] = comb
+                    if element < n:
+                        mPost[t, element] = post
+        cute.arch.barrier()
+
+    @cute.jit
+    def collapse_and_norm(self, storage, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor,
+                          rank: Int32, t0: Int32, warp: Int32, lane: Int32, tidx: Int32):
+        """y = bf16(sum_j pre[j] X[j]) for this CTA's columns, then its RMSNorm."""
+        n, tb = self.n, self.tb
+        passes = -(-self.out_units // THREADS)
+        pre_s = storage.pre.get_tensor(cute.make_layout((tb * n,)))
+        ys = cute.make_rmem_tensor((4 * passes,), Float32)
+        ys.fill(0.0)
+        sq = cute.make_rmem_tensor((tb,), Float32)
+        sq.fill(0.0)
+        for i in cutlass.range_constexpr(passes):
+            u = tidx + i * THREADS
+            if u < self.out_units:
+                slot = u // self.col_units
+                col = rank * (self.dim // self.cluster) + 4 * (u % self.col_units)
+                src = t0 + slot
+                if src >= self.tokens:
+                    src = self.tokens - 1
+                row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
+                xs = [load_global_bf16x4(row + j * self.dim * 2) for j in range(n)]
+                total = Float32(0.0)
+                for e in cutlass.range_constexpr(4):
+                    y = pre_s[slot * n] * xs[0][e]
+                    for j in cutlass.range_constexpr(1, n):
+                        y = y + pre_s[slot * n + j] * xs[j][e]
+                    y = round_bf16(y)
+                    ys[4 * i + e] = y
+                    total = total + y * y
+                for s in cutlass.range_constexpr(tb):
+                    if slot == s:
+                        sq[s] = sq[s] + total
+        warp_sq = storage.warp_sq.get_tensor(cute.make_layout((WARPS * tb,)))
+        for s in cutlass.range_constexpr(tb):
+            v = sq[s]
+            for stage in cutlass.range_constexpr(5):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> stage)
+            if lane == 0:
+                warp_sq[warp * tb + s] = v
+        cute.arch.barrier()
+        cta_sq = storage.cta_sq.get_tensor(cute.make_layout((tb,)))
+        if tidx < tb:
+            total = warp_sq[tidx]
+            for w in cutlass.range_constexpr(1, WARPS):
+                total = total + warp_sq[w * tb + tidx]
+            cta_sq[tidx] = total
+        total_sq = self.cluster_sums(storage.cta_sq, storage.total_sq, tb, tb, tidx)
+        for i in cutlass.range_constexpr(passes):
+            u = tidx + i * THREADS
+            if u < self.out_units:
+                slot = u // self.col_units
+                col = rank * (self.dim // self.cluster) + 4 * (u % self.col_units)
+                if t0 + slot < self.tokens:
+                    r = cute.math.rsqrt(total_sq[slot] / Float32(self.dim)
+                                        + Float32(self.norm_eps))
+                    w = load_global_bf16x4(mW.iterator.toint() + col.to(Int64) * 2)
+                    store_global_bf16x4(
+                        mOut.iterator.toint() + ((t0 + slot).to(Int64) * self.dim
+                                                 + col.to(Int64)) * 2,
+                        [w[e] * (ys[4 * i + e] * r) for e in range(4)])
+
+
+@cute.jit
+def hc_pre_launcher(stream: cuda.CUstream, x: cute.Tensor, fn: cute.Tensor, scale: cute.Tensor,
+                    base: cute.Tensor, weight: cute.Tensor, out: cute.Tensor, post: cute.Tensor,
+                    comb: cute.Tensor, *, n: cutlass.Constexpr, dim: cutlass.Constexpr,
+                    tokens: cutlass.Constexpr, iters: cutlass.Constexpr,
+                    hc_eps: cutlass.Constexpr, norm_eps: cutlass.Constexpr,
+                    cluster: cutlass.Constexpr = 8, tokens_per_cluster: cutlass.Constexpr = 4):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+    HcPreSm90(n, dim, tokens, iters, hc_eps, norm_eps,
+              HcPreSm90Config(cluster, tokens_per_cluster))(x, fn, scale, base, weight, out,
+                                                           post, comb, stream)
+
+
+__all__ = ["HcPreSm90", "hc_pre_launcher"]

@@ -1,0 +1,177 @@
+"""The fused mHC pre op (``dsv4_jax.ffi.hc_pre``): the reference against an independent float64
+formula, the op's XLA chain, bad input, the kernel's support rules and its sm_90a compile on
+CPU, and -- on the GPU -- the kernel against the reference."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import np_reference as ref
+from dsv4_jax.ffi import hc_pre, hc_pre_reference
+from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config
+
+N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
+STATIC = dict(n=N, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
+
+
+def _inputs(tokens, dim, seed=0, n=N, dtype=jnp.bfloat16):
+    """Streams of unequal scale (the mixes see their RMS), weights of the model's init scale."""
+    rng = np.random.default_rng(seed)
+    mixes = (2 + n) * n
+    x = rng.standard_normal((tokens, n, dim)) * rng.uniform(0.5, 4.0, (tokens, n, 1))
+    fn = rng.standard_normal((mixes, n * dim)) * (n * dim) ** -0.5
+    return (jnp.asarray(x, dtype), jnp.asarray(fn, jnp.float32),
+            jnp.asarray(rng.random(3) + 0.5, jnp.float32),
+            jnp.asarray(rng.standard_normal(mixes) * 0.5, jnp.float32),
+            jnp.asarray(1 + 0.1 * rng.standard_normal(dim), jnp.bfloat16))
+
+
+def _float64(x, fn, scale, base, weight, n=N):
+    """The contract in float64 (the collapse not rounded): out, post, comb per token."""
+    x64 = np.asarray(x, np.float64)
+    outs, posts, combs = [], [], []
+    for row in x64:
+        flat = row.reshape(-1)
+        mix = (np.asarray(fn, np.float64) @ flat) / np.sqrt(np.mean(flat * flat) + NORM_EPS)
+        pre, post, comb = ref.sinkhorn(mix, np.asarray(scale, np.float64),
+                                       np.asarray(base, np.float64), n=n, iters=ITERS,
+                                       eps=HC_EPS)
+        outs.append(ref.rms_norm(pre @ row, weight, NORM_EPS))
+        posts.append(post)
+        combs.append(comb)
+    return np.stack(outs), np.stack(posts), np.stack(combs)
+
+
+def test_reference_matches_the_float64_formula():
+    args = _inputs(5, 64, dtype=jnp.float32)
+    out, post, comb = jax.jit(lambda *a: hc_pre_reference(*a, **STATIC))(*args)
+    want = _float64(*args)
+    np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(post, want[1], rtol=1e-5)
+    np.testing.assert_allclose(comb, want[2], rtol=1e-4, atol=1e-6)
+
+
+def test_leading_dims_and_the_xla_chain_on_cpu():
+    """The op (its XLA chain, the split as its own op) equals the reference bit for bit."""
+    x, fn, scale, base, weight = _inputs(6, 64)
+    got = hc_pre(x.reshape(2, 3, N, 64), fn, scale, base, weight, **STATIC)
+    want = hc_pre_reference(x, fn, scale, base, weight, **STATIC)
+    assert got[0].shape == (2, 3, 64) and got[0].dtype == jnp.bfloat16
+    assert got[1].shape == (2, 3, N) and got[2].shape == (2, 3, N, N)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g).reshape(np.asarray(w).shape), w)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        hc_pre(x, fn, scale, base, weight, **STATIC, implementation="cute")
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (dict(x=jnp.zeros((2, 3, 64))), ValueError, r"x must be \[\.\.\., n = 4, d\]; x has shape "
+                                                r"\(2, 3, 64\)"),
+    (dict(x=jnp.zeros((2, 4, 64), jnp.int32)), TypeError, "x must be floating"),
+    (dict(fn=jnp.zeros((24, 255))), ValueError, r"fn must be \[\(2 \+ n\) n = 24, n d = 256\]"),
+    (dict(scale=jnp.zeros((2,))), ValueError, r"scale must be \[3\]"),
+    (dict(base=jnp.zeros((23,))), ValueError, r"base must be \[24\]"),
+    (dict(weight=jnp.zeros((63,))), ValueError, r"weight must be \[d = 64\]"),
+    (dict(iters=0), ValueError, "iters must be a positive int, got 0"),
+])
+def test_bad_input_names_the_argument(change, error, message):
+    x, fn, scale, base, weight = _inputs(2, 64)
+    args = dict(x=x, fn=fn, scale=scale, base=base, weight=weight, iters=ITERS) | change
+    with pytest.raises(error, match=message):
+        hc_pre(args["x"], args["fn"], args["scale"], args["base"], args["weight"], n=N,
+               iters=args["iters"], hc_eps=HC_EPS, norm_eps=NORM_EPS)
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(x_dtype="float32"), "x of dtype float32"),
+    (dict(fn_dtype="bfloat16"), "fn of dtype bfloat16"),
+    (dict(n=6), "n = 6 streams"),
+    (dict(dim=4100), "dim = 4100"),
+    (dict(tokens=MAX_TOKENS + 1), f"{MAX_TOKENS + 1} tokens"),
+])
+def test_support_names_what_the_kernel_does_not_take(kwargs, reason):
+    supported = dict(n=N, dim=4096, tokens=8, x_dtype="bfloat16", fn_dtype="float32",
+                     weight_dtype="bfloat16")
+    assert HcPreSm90Config().is_supported(**supported) == (True, "")
+    ok, why = HcPreSm90Config().is_supported(**(supported | kwargs))
+    assert not ok and reason in why, why
+
+
+def test_config_rejects_what_it_cannot_launch():
+    with pytest.raises(ValueError, match="cluster must be 1, 2, 4 or 8, got 16"):
+        HcPreSm90Config(cluster=16)
+    with pytest.raises(ValueError, match=r"tokens_per_cluster must be in \[1, 4\], got 5"):
+        HcPreSm90Config(tokens_per_cluster=5)
+    assert [HcPreSm90Config().tokens_for(t) for t in (1, 3, 8)] == [1, 3, 4]
+
+
+def _compile_ptx(dim, tokens, cluster=8):
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from dsv4_jax.kernels import hc_pre_sm90 as kernel
+    mixes = (2 + N) * N
+    f32 = lambda s: make_fake_compact_tensor(cutlass.Float32, s, assumed_align=16)  # noqa
+    bf16 = lambda s: make_fake_compact_tensor(cutlass.BFloat16, s, assumed_align=16)  # noqa
+    compiled = cute.compile(
+        kernel.hc_pre_launcher, make_fake_stream(), bf16((tokens, N * dim)),
+        f32((mixes, N * dim)), f32((3,)), f32((mixes,)), bf16((dim,)), bf16((tokens, dim)),
+        f32((tokens, N)), f32((tokens, N * N)), n=N, dim=dim, tokens=tokens, iters=ITERS,
+        hc_eps=HC_EPS, norm_eps=NORM_EPS, cluster=cluster, tokens_per_cluster=4)
+    return compiled.artifacts.PTX
+
+
+@pytest.mark.parametrize("dim, tokens", [(4096, 1), (4096, 8), (7168, 5)])
+def test_kernel_compiles_for_sm90a(dim, tokens):
+    """Flash (one pass of 256 threads covers half a CTA's K slice) and Pro (a partial last
+    pass) dims: every thread's mixing-weight loads are float4 and issued per pass; the sums
+    cross the warp by butterfly shuffles and the cluster through distributed shared memory;
+    post and comb stored once, out once per pass of 4 columns; nothing in local memory."""
+    ptx = _compile_ptx(dim, tokens)
+    tb = min(tokens, 4)
+    passes = -(-(N * dim // 8 // 4) // 256)
+    assert ".target sm_90a" in ptx and ".local" not in ptx
+    assert ptx.count("ld.global.nc.L1::no_allocate.v4.f32") == passes * (2 + N) * N
+    padded = -(-tb * ((2 + N) * N + 1) // 32) * 32
+    # Reduce-scatter: padded / 2 + padded / 4 + ... over five lane bits; then 5 per token
+    # for the norm's sum of squares.
+    assert ptx.count("shfl.sync.bfly") == sum(padded >> s for s in range(1, 6)) + 5 * tb
+    assert ptx.count("ld.shared::cluster.f32") == 2 * 8
+    out_passes = -(-(tb * dim // 8 // 4) // 256)
+    assert ptx.count("st.global") == 2 + out_passes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, tokens, cluster, per_cluster", [
+    (4096, 1, 8, 4), (4096, 2, 8, 4), (4096, 8, 8, 4), (4096, 64, 8, 4), (4096, 256, 8, 4),
+    (4096, 7, 4, 3), (4096, 5, 1, 1), (7168, 5, 8, 4), (512, 3, 2, 2)])
+def test_cute_matches_the_reference(dim, tokens, cluster, per_cluster):
+    """post and comb to a few f32 ulps; the bf16 outputs equal but for rare one-ulp
+    roundings (the sums' order differs from XLA's)."""
+    from dsv4_jax.ffi import hc_pre_sm90
+    args = _inputs(tokens, dim, seed=tokens + dim)
+    config = HcPreSm90Config(cluster, per_cluster)
+    got = jax.jit(lambda *a: hc_pre_sm90.hc_pre_cute(*a, **STATIC, config=config))(*args)
+    want = jax.jit(lambda *a: hc_pre_reference(*a, **STATIC))(*args)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-4, atol=1e-6)
+    g, w = (np.asarray(a, np.float32) for a in (got[0], want[0]))
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-2)
+    assert np.mean(g != w) < 0.01, np.mean(g != w)
+
+
+@pytest.mark.gpu
+def test_op_dispatches_decode_sizes_to_the_kernel():
+    """implementation=None: the kernel's result for decode sizes (its one launch in the
+    lowering), the XLA chain past MAX_TOKENS."""
+    args = _inputs(8, 4096, seed=3)
+    lowered = jax.jit(lambda *a: hc_pre(*a, **STATIC)).lower(*args).as_text()
+    assert "HcPreSm90" in lowered
+    got = jax.jit(lambda *a: hc_pre(*a, **STATIC))(*args)
+    want = jax.jit(lambda *a: hc_pre(*a, **STATIC, implementation="cute"))(*args)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    big = _inputs(MAX_TOKENS + 1, 512, seed=4)
+    assert "HcPreSm90" not in jax.jit(lambda *a: hc_pre(*a, **STATIC)).lower(*big).as_text()
