@@ -141,6 +141,7 @@ def time_prefill(cfg, policy, params, chunk, runs):
 # ----------------------------------------------------------------------------- profile
 KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
                  ("sparse attention kernel", "SparseAttention"),
+                 ("mHC pre kernel", "HcPre"),
                  ("mHC split kernel", "HcSinkhorn"),
                  ("indexer score kernel", "IndexScores"),
                  ("indexer top-k kernel", "IndexTopk"))

@@ -167,7 +167,8 @@ def module_of(op_name: str, depth: int = 3) -> str:
 
 # CuTe kernel class names -> the op they belong to.
 CUTE_KERNELS = (("GroupedGemm", "grouped GEMM"), ("SparseAttention", "sparse attention"),
-                ("HcSinkhorn", "mHC split"), ("IndexScores", "indexer scores"),
+                ("HcPre", "mHC pre"), ("HcSinkhorn", "mHC split"),
+                ("IndexScores", "indexer scores"),
                 ("IndexTopk", "indexer top-k"))
 
 

@@ -25,6 +25,7 @@ import flax.linen as nn
 from dsv4_jax.config import Config
 from dsv4_jax import quant
 from dsv4_jax.ffi.grouped_gemm import grouped_gemm
+from dsv4_jax.ffi.hc_pre_reference import rms_norm
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .parallel import batch_parallel
 
@@ -181,22 +182,16 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, simulate: bool
 
 
 class RMSNorm(nn.Module):
-    """``w * x / sqrt(mean(x^2) + eps)`` in f32, cast back to x's dtype (weight kept BF16)."""
+    """``w * x / sqrt(mean(x^2) + eps)`` in f32, cast back to x's dtype (weight kept BF16).
+    ``weight`` is readable from the parent (``ffi.hc_pre`` fuses the norm into the mHC pre)."""
     dim: int
     eps: float = 1e-6
 
-    @nn.compact
+    def setup(self):
+        self.weight = self.param("weight", nn.initializers.ones, (self.dim,), jnp.bfloat16)
+
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.param("weight", nn.initializers.ones, (self.dim,), jnp.bfloat16)
-        return rms_norm(x, w, self.eps)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        y = weight.astype(jnp.float32) * y
-    return y.astype(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def head_rms_norm(q: jax.Array, eps: float) -> jax.Array:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax.ffi.hc_pre import hc_pre
+from dsv4_jax.ffi.hc_pre_reference import collapse, stream_mixes
 from dsv4_jax.ffi.hc_sinkhorn import hc_split_sinkhorn
 from .layers import HIGHEST
 from .parallel import batch_parallel
@@ -30,16 +32,18 @@ def split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, n: int,
     return batch_parallel(run, mesh, (mixes,), (scale, base), 3)
 
 
-def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
-    """``(flatten(X) @ fn.T) * rsqrt(mean(flatten(X)^2) + eps)`` in f32: ``[B, S, rows(fn)]``."""
-    xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
-    rsqrt = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
-    return jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=HIGHEST) * rsqrt
-
-
-def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
-    """``sum_j pre[j] X[j]`` in f32, cast to X's dtype: the sub-block input ``[B, S, d]``."""
-    return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
+def mhc_pre(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
+            weight: jax.Array, n: int, iters: int, hc_eps: float, norm_eps: float, *,
+            implementation: str | None = None, split_implementation: str | None = None,
+            mesh=None):
+    """The sub-block's input and gates: ``(rms_norm(collapse(X, pre)), post, comb)`` (the
+    op ``ffi.hc_pre``; with a ``mesh``, each device its own rows)."""
+    def run(xs, f, s, b, w):
+        return hc_pre(xs, f, s, b, w, n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+                      implementation=implementation, split_implementation=split_implementation)
+    if mesh is None:
+        return run(x, fn, scale, base, weight)
+    return batch_parallel(run, mesh, (x,), (fn, scale, base, weight), 3)
 
 
 def hc_post(out: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:

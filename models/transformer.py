@@ -20,7 +20,7 @@ from dsv4_jax.mesh_rules import check_batch
 from .attention import Attention, commit_layer
 from . import parallel
 from .layers import Linear, RMSNorm, act_dtype, matmul_f32, normal_init
-from .mhc import collapse, hc_head, hc_post, split_sinkhorn, stream_mixes
+from .mhc import hc_head, hc_post, mhc_pre
 from .moe import MoE
 
 
@@ -72,24 +72,25 @@ class Block(nn.Module):
         return fn, scale, base
 
     def _mhc_pre(self, x, prefix):
+        """The sub-block's normalised input, post gates and comb matrix (``ffi.hc_pre``:
+        mixes, split, collapse and the ``{prefix}_norm`` RMSNorm in one op)."""
         cfg = self.cfg
         fn, scale, base = self._hc(prefix)
-        pre, post, comb = split_sinkhorn(
-            stream_mixes(x, fn, cfg.norm_eps), scale, base, cfg.hc_mult,
-            cfg.hc_sinkhorn_iters, cfg.hc_eps,
-            implementation=self.policy.implementation_for("hc_split_sinkhorn"), mesh=self.mesh)
-        return collapse(x, pre), post, comb
+        norm = RMSNorm(cfg.dim, cfg.norm_eps, name=f"{prefix}_norm")
+        return mhc_pre(x, fn, scale, base, norm.weight, cfg.hc_mult, cfg.hc_sinkhorn_iters,
+                       cfg.hc_eps, cfg.norm_eps,
+                       implementation=self.policy.implementation_for("hc_pre"),
+                       split_implementation=self.policy.implementation_for("hc_split_sinkhorn"),
+                       mesh=self.mesh)
 
     def block(self, x, token_ids, lcache: LayerCache, lengths, num_new):
         cfg = self.cfg
-        y, post, comb = self._mhc_pre(x, "attn")
+        normed, post, comb = self._mhc_pre(x, "attn")
         a, lcache, pending = Attention(cfg, self.layer_id, self.policy, self.mesh,
-                                       name="attn")(
-            RMSNorm(cfg.dim, cfg.norm_eps, name="attn_norm")(y), lcache, lengths, num_new)
+                                       name="attn")(normed, lcache, lengths, num_new)
         x = hc_post(a, x, post, comb)
-        y, post, comb = self._mhc_pre(x, "ffn")
-        f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(
-            RMSNorm(cfg.dim, cfg.norm_eps, name="ffn_norm")(y), token_ids)
+        normed, post, comb = self._mhc_pre(x, "ffn")
+        f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(normed, token_ids)
         return hc_post(f, x, post, comb), lcache, pending
 
     @nn.compact

@@ -79,17 +79,27 @@ def test_the_check_sees_the_converts_of_the_reference_linears():
 def test_fp8_linears_lower_to_the_grouped_gemm_kernels(tokens):
     """Decode (the warp kernels' 8-row tiles) and prefill (WGMMA tiles): the dense linears'
     launches are there, and gone when the grouped GEMM runs its reference."""
-    others = {"moe_experts": "xla", "sparse_attention": "xla", "hc_split_sinkhorn": "xla"}
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "hc_pre": "xla",
+              "hc_split_sinkhorn": "xla"}
     text = _lower(KernelPolicy(ops=others), tokens)
     assert kernel_launches(text) >= CFG.n_layers * 6     # wq_a wq_b wkv wo_a wo_b shared
     assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"grouped_gemm": "xla"}), tokens)
 
 
-def test_every_mhc_split_is_one_kernel_launch():
-    """Two sub-blocks per layer (attention, MoE), one launch each; none on the reference."""
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_every_mhc_pre_is_one_kernel_launch(tokens):
+    """Two sub-blocks per layer (attention, MoE), one launch each: the fused mHC pre
+    (mixes, split, collapse, norm); with it on its XLA chain, the split kernel inside the
+    chain; no launch with both on their references."""
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla"}
-    assert kernel_launches(_lower(KernelPolicy(ops=others))) == 2 * CFG.n_layers
-    assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"hc_split_sinkhorn": "xla"}))
+    text = _lower(KernelPolicy(ops=others), tokens)
+    assert kernel_launches(text) == 2 * CFG.n_layers
+    assert "HcPreSm90" in text and "HcSinkhornSm90" not in text
+    text = _lower(KernelPolicy(ops=others | {"hc_pre": "xla"}), tokens)
+    assert kernel_launches(text) == 2 * CFG.n_layers
+    assert "HcSinkhornSm90" in text and "HcPreSm90" not in text
+    assert CUSTOM_CALL not in _lower(
+        KernelPolicy(ops=others | {"hc_pre": "xla", "hc_split_sinkhorn": "xla"}), tokens)
 
 
 _TO_FP8 = re.compile(r"stablehlo\.convert %\S+ : \(tensor<([0-9x]+)xf32>\) -> "
