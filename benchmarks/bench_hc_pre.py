@@ -5,6 +5,8 @@ split kernel inside), device time and launches per call.
     python benchmarks/bench_hc_pre.py [--dims flash,pro] [--tokens 1,8,64,256] [--runs 50]
                                       [--markdown out.md]
     python benchmarks/bench_hc_pre.py --tiny        # dry run (CPU: the chain only)
+    python benchmarks/bench_hc_pre.py --configs 4x4,8x4,16x4   # the kernel at these
+                                     # cluster x tokens-per-cluster configs (a column each)
 
 Device: the sum of the device ops of one traced call (``step_figures.trace_device_ops``)
 and their count; wall: ``timing.median_seconds`` (each call waited for, warm-up excluded).
@@ -22,6 +24,8 @@ import jax.numpy as jnp
 
 from dsv4_jax.config import Config
 from dsv4_jax.ffi import hc_pre
+from dsv4_jax.ffi.hc_pre_sm90 import hc_pre_cute
+from dsv4_jax.kernels.hc_pre_config import HcPreSm90Config
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, median_seconds
 
@@ -44,9 +48,14 @@ def floor_us(tokens, n, dim):
 
 
 def time_op(args, impl, cfg, runs):
+    """``impl``: "xla", "cute" or a kernel config "CxTB" (cluster x tokens per cluster)."""
     static = dict(n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                   norm_eps=cfg.norm_eps)
-    fn = jax.jit(lambda *a: hc_pre(*a, **static, implementation=impl))
+    if "x" in impl:
+        config = HcPreSm90Config(*(int(v) for v in impl.split("x")))
+        fn = jax.jit(lambda *a: hc_pre_cute(*a, **static, config=config))
+    else:
+        fn = jax.jit(lambda *a: hc_pre(*a, **static, implementation=impl))
     wall = median_seconds(fn, *args, runs=runs) * 1e6
     totals, counts = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
     return wall, sum(totals.values()), sum(counts.values())
@@ -57,11 +66,13 @@ def main(argv=None):
     p.add_argument("--dims", default="flash,pro")
     p.add_argument("--tokens", default="1,8,64,256")
     p.add_argument("--impls", default="xla,cute")
+    p.add_argument("--configs", default="", help="kernel configs CxTB, a column each")
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--markdown")
     args = p.parse_args(argv)
-    impls = ["xla"] if args.tiny else args.impls.split(",")
+    impls = ["xla"] if args.tiny else (args.impls.split(",")
+                                       + [c for c in args.configs.split(",") if c])
     lines = [f"bench_hc_pre {datetime.date.today()} {jax.devices()[0].device_kind}: "
              f"{' '.join(sys.argv[1:])}", "",
              "| dims | tokens | " + " | ".join(f"{i}: wall / device us (launches)"
