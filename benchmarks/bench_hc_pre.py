@@ -51,7 +51,7 @@ def time_op(args, impl, cfg, runs):
     """``impl``: "xla", "cute" or a kernel config "CxTB" (cluster x tokens per cluster)."""
     static = dict(n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                   norm_eps=cfg.norm_eps)
-    if "x" in impl:
+    if impl not in ("xla", "cute"):
         config = HcPreSm90Config(*(int(v) for v in impl.split("x")))
         fn = jax.jit(lambda *a: hc_pre_cute(*a, **static, config=config))
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kernels.hc_pre_config import DEFAULT_CONFIG, HcPreSm90Config
+from dsv4_jax.kernels.hc_pre_config import HcPreSm90Config, choose_config
 
 __all__ = ["support", "hc_pre_cute"]
 
@@ -17,10 +17,12 @@ def _tokens(x) -> int:
     return tokens
 
 
-def support(x, fn, weight, n: int, config: HcPreSm90Config = DEFAULT_CONFIG
+def support(x, fn, weight, n: int, config: HcPreSm90Config | None = None
             ) -> tuple[bool, str]:
-    """``config.is_supported`` for these arguments; imports no cutlass."""
+    """``config.is_supported`` for these arguments (config None: ``choose_config``'s);
+    imports no cutlass."""
     name = lambda a: jnp.dtype(a.dtype).name  # noqa: E731
+    config = config or choose_config(_tokens(x), x.shape[-1])
     return config.is_supported(n=n, dim=x.shape[-1], tokens=_tokens(x), x_dtype=name(x),
                                fn_dtype=name(fn), weight_dtype=name(weight))
 
@@ -33,9 +35,9 @@ def hc_pre_cute(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float
     from .cute_call import cute_call
     from dsv4_jax.kernels import hc_pre_sm90 as kernel
 
-    config = config or DEFAULT_CONFIG
     lead, d = x.shape[:-2], x.shape[-1]
     t = _tokens(x)
+    config = config or choose_config(t, d)
     shapes = (jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, n), jnp.float32),
               jax.ShapeDtypeStruct((t, n * n), jnp.float32))
     out, post, comb = cute_call(

@@ -18,7 +18,10 @@ MAX_TOKENS_PER_CLUSTER = 4
 MAX_SUMS_PER_THREAD = 128
 # Above this many tokens the stream mixes are a real GEMM (each cluster re-reads the f32
 # mixing weights): XLA's dot and the split kernel run instead (docs/performance.md).
-MAX_TOKENS = 256
+MAX_TOKENS = 128
+# CTAs a launch aims at (``choose_config``): the swept best at 1 to 128 tokens
+# (docs/performance.md); a token's latency chain, not bandwidth, bounds small launches.
+TARGET_CTAS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,4 +62,14 @@ class HcPreSm90Config:
         return True, ""
 
 
-DEFAULT_CONFIG = HcPreSm90Config()
+def choose_config(tokens: int, dim: int) -> HcPreSm90Config:
+    """The launch for ``tokens`` rows of width ``dim``: groups of 4 tokens, clusters as
+    large as ``TARGET_CTAS`` over the groups allows (at least 2, at most 16) that divide
+    the columns in 4-column units."""
+    groups = -(-max(tokens, 1) // MAX_TOKENS_PER_CLUSTER)
+    fitting = [c for c in CLUSTERS if dim % (4 * c) == 0]
+    if not fitting:
+        return HcPreSm90Config(1, MAX_TOKENS_PER_CLUSTER)
+    aim = max(2, TARGET_CTAS // groups)
+    return HcPreSm90Config(max([c for c in fitting if c <= aim] or fitting[:1]),
+                           MAX_TOKENS_PER_CLUSTER)

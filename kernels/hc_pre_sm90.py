@@ -42,7 +42,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .hc_pre_config import THREADS, HcPreSm90Config
 from .hc_sinkhorn_config import lanes_per_token
-from .hc_sinkhorn_sm90 import split_lanes
+from .hc_sinkhorn_sm90 import _sigmoid, split_lanes
 from .sm90_primitives import (load_cluster_f32, load_global_bf16x4, load_global_f32x4,
                               round_bf16, store_global_bf16x4)
 
@@ -68,6 +68,10 @@ class HcPreSm90:
         self.col_units = dim // self.cluster // 4          # 4-column units of its y slice
         self.out_units = self.tb * self.col_units
         self.lanes = lanes_per_token(n)
+        # The last warps run the split (n n lanes per token), the others the collapse.
+        self.collapse_warps = WARPS - -(-self.tb // (32 // self.lanes))
+        self.collapse_threads = 32 * self.collapse_warps
+        self.collapse_passes = -(-self.out_units // self.collapse_threads)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
@@ -80,7 +84,6 @@ class HcPreSm90:
             warp_sums: cute.struct.MemRange[Float32, WARPS * padded]
             cta_sums: cute.struct.MemRange[Float32, padded]
             totals: cute.struct.MemRange[Float32, padded]
-            pre: cute.struct.MemRange[Float32, tb * self.n]
             warp_sq: cute.struct.MemRange[Float32, WARPS * tb]
             cta_sq: cute.struct.MemRange[Float32, tb]
             total_sq: cute.struct.MemRange[Float32, tb]
@@ -115,15 +118,36 @@ class HcPreSm90:
             else:
                 if u < self.k_units:
                     self.mix_pass(sums, mX, mFn, rank, t0, u)
+        # The collapse's stream values, loaded now: their latency hides under the sums'
+        # exchange (every thread loads, the split warps' loads go unused).
+        streams = cute.make_rmem_tensor((self.collapse_passes * self.n * 4,), Float32)
+        self.load_streams(streams, mX, rank, t0, tidx)
         self.reduce_scatter(sums, storage, warp, lane)
         totals = self.cluster_sums(storage.cta_sums, storage.totals, self.padded, self.sums,
-                                   tidx)
-        self.split(totals, storage.pre, mScale, mBase, mPost, mComb, rank, t0, warp, lane)
-        self.collapse_and_norm(storage, mX, mW, mOut, rank, t0, warp, lane, tidx)
+                                   tidx, THREADS)
+        if warp >= self.collapse_warps:
+            # The split warps publish nothing to the norm's exchange: they arrive at once,
+            # and the Sinkhorn chain runs beside the collapse.
+            if const_expr(self.cluster > 1):
+                cute.arch.cluster_arrive()
+            self.split(totals, mScale, mBase, mPost, mComb, rank, t0, warp, lane)
+            if const_expr(self.cluster > 1):
+                cute.arch.cluster_wait()
+        else:
+            self.collapse_and_norm(storage, totals, streams, mScale, mBase, mW, mOut, rank, t0,
+                                   warp, lane, tidx)
         if const_expr(self.cluster > 1):
             # No CTA leaves while another may still read its shared memory.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def sync(self, threads: cutlass.Constexpr):
+        """CTA barrier over all threads, or named barrier 1 over the collapse warps."""
+        if const_expr(threads == THREADS):
+            cute.arch.barrier()
+        else:
+            cute.arch.barrier(barrier_id=1, number_of_threads=threads)
 
     @cute.jit
     def source_token(self, t0: Int32, t: int) -> Int32:
@@ -158,6 +182,29 @@ class HcPreSm90:
             sums[t * self.per_token + self.mixes] = sq
 
     @cute.jit
+    def unit(self, rank: Int32, u: Int32):
+        """(group slot, first column) of 4-column unit u of this CTA's y slice."""
+        return (u // self.col_units,
+                rank * (self.dim // self.cluster) + 4 * (u % self.col_units))
+
+    @cute.jit
+    def load_streams(self, streams: cute.Tensor, mX: cute.Tensor, rank: Int32, t0: Int32,
+                     tidx: Int32):
+        """The n streams' 4 values of each collapse pass's unit (addresses always valid:
+        units past the end read a clamped token)."""
+        n = self.n
+        for i in cutlass.range_constexpr(self.collapse_passes):
+            slot, col = self.unit(rank, tidx + i * self.collapse_threads)
+            src = t0 + slot
+            if src >= self.tokens:
+                src = self.tokens - 1
+            row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
+            for j in cutlass.range_constexpr(n):
+                v = load_global_bf16x4(row + j * self.dim * 2)
+                for e in cutlass.range_constexpr(4):
+                    streams[(i * n + j) * 4 + e] = v[e]
+
+    @cute.jit
     def reduce_scatter(self, sums: cute.Tensor, storage, warp: Int32, lane: Int32):
         """The warp's sums: lane l gets the warp total of sums [l q, (l + 1) q) (q =
         padded / 32) by butterfly shuffles, stored in warp row of ``warp_sums``; then
@@ -188,10 +235,13 @@ class HcPreSm90:
 
     @cute.jit
     def cluster_sums(self, cta_field, total_field, size: cutlass.Constexpr,
-                     count: cutlass.Constexpr, tidx: Int32) -> cute.Tensor:
+                     count: cutlass.Constexpr, tidx: Int32,
+                     threads: cutlass.Constexpr) -> cute.Tensor:
         """Thread i < count adds value i of every CTA's ``cta_field`` in rank order into
-        its own ``total_field`` (read through distributed shared memory between cluster
-        barriers); returns ``total_field`` as a tensor, after a CTA barrier."""
+        its own ``total_field`` (read through distributed shared memory after a cluster
+        barrier); returns ``total_field`` as a tensor, after a barrier over ``threads``
+        (``sync``). The cluster barrier takes every thread of the cluster: callers that
+        run on part of the CTA have the others arrive and wait on their own."""
         cta = cta_field.get_tensor(cute.make_layout((size,)))
         totals = total_field.get_tensor(cute.make_layout((size,)))
         cta_addr = cta_field.data_ptr().toint()
@@ -205,69 +255,63 @@ class HcPreSm90:
                     total = total + load_cluster_f32(addr, Int32(r))
                 totals[tidx] = total
         else:
-            cute.arch.barrier()
+            self.sync(threads)
             if tidx < count:
                 totals[tidx] = cta[tidx]
-        cute.arch.barrier()
+        self.sync(threads)
         return totals
 
     @cute.jit
-    def split(self, totals: cute.Tensor, pre_field, mScale: cute.Tensor, mBase: cute.Tensor,
+    def split(self, totals: cute.Tensor, mScale: cute.Tensor, mBase: cute.Tensor,
               mPost: cute.Tensor, mComb: cute.Tensor, rank: Int32, t0: Int32, warp: Int32,
               lane: Int32):
-        """The mHC split of the group's tokens, n n lanes each; ``pre`` into shared
-        memory (every CTA), ``post`` and ``comb`` to global memory (CTA 0)."""
+        """The mHC split of the group's tokens on the split warps, n n lanes each; CTA 0
+        stores ``post`` and ``comb`` (the collapse computes its own ``pre`` gates)."""
         n, lanes = self.n, self.lanes
-        per_warp = 32 // lanes
-        pre_s = pre_field.get_tensor(cute.make_layout((self.tb * n,)))
-        if warp < -(-self.tb // per_warp):
-            slot = warp * per_warp + lane // lanes
-            src = slot
-            if slot >= self.tb:
-                src = self.tb - 1
-            first = src * self.per_token
-            rs = cute.math.rsqrt(totals[first + self.mixes] / Float32(self.k)
-                                 + Float32(self.norm_eps))
-            pre, post, comb = split_lanes(lambda i: totals[first + i] * rs, mScale, mBase,
-                                          lane, n, lanes, self.iters, self.hc_eps)
-            element = lane % lanes
-            if slot < self.tb:
-                if element < n:
-                    pre_s[slot * n + element] = pre
-                t = t0 + slot
-                if rank == 0 and t < self.tokens:
-                    if element < n * n:
-                        mComb[t, element] = comb
-                    if element < n:
-                        mPost[t, element] = post
-        cute.arch.barrier()
+        slot = (warp - self.collapse_warps) * (32 // lanes) + lane // lanes
+        src = slot
+        if slot >= self.tb:
+            src = self.tb - 1
+        first = src * self.per_token
+        rs = cute.math.rsqrt(totals[first + self.mixes] / Float32(self.k)
+                             + Float32(self.norm_eps))
+        _, post, comb = split_lanes(lambda i: totals[first + i] * rs, mScale, mBase, lane, n,
+                                    lanes, self.iters, self.hc_eps)
+        element = lane % lanes
+        t = t0 + slot
+        if slot < self.tb and rank == 0 and t < self.tokens:
+            if element < n * n:
+                mComb[t, element] = comb
+            if element < n:
+                mPost[t, element] = post
 
     @cute.jit
-    def collapse_and_norm(self, storage, mX: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor,
-                          rank: Int32, t0: Int32, warp: Int32, lane: Int32, tidx: Int32):
-        """y = bf16(sum_j pre[j] X[j]) for this CTA's columns, then its RMSNorm."""
-        n, tb = self.n, self.tb
-        passes = -(-self.out_units // THREADS)
-        pre_s = storage.pre.get_tensor(cute.make_layout((tb * n,)))
-        ys = cute.make_rmem_tensor((4 * passes,), Float32)
+    def collapse_and_norm(self, storage, totals: cute.Tensor, streams: cute.Tensor,
+                          mScale: cute.Tensor, mBase: cute.Tensor, mW: cute.Tensor,
+                          mOut: cute.Tensor, rank: Int32, t0: Int32, warp: Int32, lane: Int32,
+                          tidx: Int32):
+        """On the collapse warps: y = bf16(sum_j pre[j] X[j]) for this CTA's columns (the
+        pre gates computed here from the totals, as the split computes them), then its
+        RMSNorm."""
+        n, tb, threads = self.n, self.tb, self.collapse_threads
+        ys = cute.make_rmem_tensor((4 * self.collapse_passes,), Float32)
         ys.fill(0.0)
         sq = cute.make_rmem_tensor((tb,), Float32)
         sq.fill(0.0)
-        for i in cutlass.range_constexpr(passes):
-            u = tidx + i * THREADS
+        for i in cutlass.range_constexpr(self.collapse_passes):
+            u = tidx + i * threads
             if u < self.out_units:
-                slot = u // self.col_units
-                col = rank * (self.dim // self.cluster) + 4 * (u % self.col_units)
-                src = t0 + slot
-                if src >= self.tokens:
-                    src = self.tokens - 1
-                row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
-                xs = [load_global_bf16x4(row + j * self.dim * 2) for j in range(n)]
+                slot, _ = self.unit(rank, u)
+                first = slot * self.per_token
+                rs = cute.math.rsqrt(totals[first + self.mixes] / Float32(self.k)
+                                     + Float32(self.norm_eps))
+                pre = [_sigmoid(totals[first + j] * rs * mScale[0] + mBase[j])
+                       + Float32(self.hc_eps) for j in range(n)]
                 total = Float32(0.0)
                 for e in cutlass.range_constexpr(4):
-                    y = pre_s[slot * n] * xs[0][e]
+                    y = pre[0] * streams[i * n * 4 + e]
                     for j in cutlass.range_constexpr(1, n):
-                        y = y + pre_s[slot * n + j] * xs[j][e]
+                        y = y + pre[j] * streams[(i * n + j) * 4 + e]
                     y = round_bf16(y)
                     ys[4 * i + e] = y
                     total = total + y * y
@@ -281,19 +325,18 @@ class HcPreSm90:
                 v = v + cute.arch.shuffle_sync_bfly(v, offset=16 >> stage)
             if lane == 0:
                 warp_sq[warp * tb + s] = v
-        cute.arch.barrier()
+        self.sync(threads)
         cta_sq = storage.cta_sq.get_tensor(cute.make_layout((tb,)))
         if tidx < tb:
             total = warp_sq[tidx]
-            for w in cutlass.range_constexpr(1, WARPS):
+            for w in cutlass.range_constexpr(1, self.collapse_warps):
                 total = total + warp_sq[w * tb + tidx]
             cta_sq[tidx] = total
-        total_sq = self.cluster_sums(storage.cta_sq, storage.total_sq, tb, tb, tidx)
-        for i in cutlass.range_constexpr(passes):
-            u = tidx + i * THREADS
+        total_sq = self.cluster_sums(storage.cta_sq, storage.total_sq, tb, tb, tidx, threads)
+        for i in cutlass.range_constexpr(self.collapse_passes):
+            u = tidx + i * threads
             if u < self.out_units:
-                slot = u // self.col_units
-                col = rank * (self.dim // self.cluster) + 4 * (u % self.col_units)
+                slot, col = self.unit(rank, u)
                 if t0 + slot < self.tokens:
                     r = cute.math.rsqrt(total_sq[slot] / Float32(self.dim)
                                         + Float32(self.norm_eps))

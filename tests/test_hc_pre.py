@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import np_reference as ref
 from dsv4_jax.ffi import hc_pre, hc_pre_reference
-from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config
+from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config, choose_config
 
 N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
 STATIC = dict(n=N, iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS)
@@ -106,6 +106,16 @@ def test_config_rejects_what_it_cannot_launch():
     assert [HcPreSm90Config().tokens_for(t) for t in (1, 3, 8)] == [1, 3, 4]
 
 
+def test_choose_config_aims_at_64_ctas():
+    """16-CTA clusters for one or two groups of 4 tokens, smaller ones as groups add up
+    (never below 2), and only sizes that split the columns in 4-column units."""
+    got = {t: choose_config(t, 4096) for t in (1, 8, 16, 64, 128)}
+    assert {t: (c.cluster, c.tokens_per_cluster) for t, c in got.items()} == {
+        1: (16, 4), 8: (16, 4), 16: (16, 4), 64: (4, 4), 128: (2, 4)}
+    assert choose_config(1, 7168).cluster == 16 and choose_config(1, 72).cluster == 2
+    assert choose_config(1, 66).cluster == 1
+
+
 def _compile_ptx(dim, tokens, cluster=8):
     pytest.importorskip("cutlass")
     import cutlass
@@ -127,7 +137,8 @@ def _compile_ptx(dim, tokens, cluster=8):
 def test_kernel_compiles_for_sm90a(dim, tokens):
     """Flash (one pass of 256 threads covers half a CTA's K slice) and Pro (a partial last
     pass) dims: every thread's mixing-weight loads are float4 and issued per pass; the sums
-    cross the warp by butterfly shuffles and the cluster through distributed shared memory;
+    cross the warp by butterfly shuffles and the cluster through distributed shared memory
+    (twice: the mixes, the norm);
     post and comb stored once, out once per pass of 4 columns; nothing in local memory."""
     ptx = _compile_ptx(dim, tokens)
     tb = min(tokens, 4)
@@ -139,14 +150,15 @@ def test_kernel_compiles_for_sm90a(dim, tokens):
     # for the norm's sum of squares.
     assert ptx.count("shfl.sync.bfly") == sum(padded >> s for s in range(1, 6)) + 5 * tb
     assert ptx.count("ld.shared::cluster.f32") == 2 * 8
-    out_passes = -(-(tb * dim // 8 // 4) // 256)
+    collapse_threads = 32 * (8 - -(-tb // 2))       # the last warps run the split
+    out_passes = -(-(tb * dim // 8 // 4) // collapse_threads)
     assert ptx.count("st.global") == 2 + out_passes
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim, tokens, cluster, per_cluster", [
-    (4096, 1, 8, 4), (4096, 2, 8, 4), (4096, 8, 8, 4), (4096, 64, 8, 4), (4096, 256, 8, 4),
-    (4096, 7, 4, 3), (4096, 5, 1, 1), (7168, 5, 8, 4), (512, 3, 2, 2)])
+    (4096, 1, 16, 4), (4096, 2, 8, 4), (4096, 8, 16, 4), (4096, 64, 4, 4), (4096, 128, 2, 4),
+    (4096, 7, 4, 3), (4096, 5, 1, 1), (7168, 5, 8, 4), (7168, 64, 4, 4), (512, 3, 2, 2)])
 def test_cute_matches_the_reference(dim, tokens, cluster, per_cluster):
     """post and comb to a few f32 ulps; the bf16 outputs equal but for rare one-ulp
     roundings (the sums' order differs from XLA's)."""
