@@ -2,6 +2,7 @@
 # The decode step on the device machine. Logs and tables go to $OUT (or ./device_out). Modes run
 # in the order given:
 #   source .device/setup.sh && bash benchmarks/decode_on_device.sh generate [graphs] [tests]
+#   (IMPLS: the kernel policies compared, decode_step.py --impls; default auto)
 #   generate: dj.generate's loop per layer at BATCHES (1,8,64) x CTXS (4096), kernels attributed
 #             to the model's modules at ATTRIBUTE (1,8); XLA's default command buffers
 #             (DSV4_COMMAND_BUFFERS=default): the profiler then sees every kernel, so the
@@ -30,9 +31,9 @@ run_bench() {  # name, extra XLA flags, timeout, decode_step args...
 for what in "$@"; do
   case $what in
     generate) DSV4_COMMAND_BUFFERS=default run_bench generate "" ${GEN_TIMEOUT:-330} \
-                --generate --impls auto --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} \
+                --generate --impls ${IMPLS:-auto} --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} \
                 --steps $steps --attribute-batches ${ATTRIBUTE:-1,8} --top ${TOP:-12} ;;
-    graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls auto \
+    graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls ${IMPLS:-auto} \
               --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps --no-profile \
               --attribute-batches 0 ${SPECULATIVE:+--speculative} ;;
     prefill) run_bench prefill "" ${PREFILL_TIMEOUT:-240} --prefill --impls auto \
