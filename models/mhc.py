@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from dsv4_jax.ffi.hc_pre import hc_pre
 from dsv4_jax.ffi.hc_pre_reference import collapse, stream_mixes
 from dsv4_jax.ffi.hc_sinkhorn import hc_split_sinkhorn
+from .layers import HIGHEST
 from .parallel import batch_parallel
 
 
@@ -46,14 +47,9 @@ def mhc_pre(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
 
 
 def hc_post(out: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """``X_new[k] = post[k] out + sum_j comb[j, k] X[j]`` (comb used transposed), f32 math.
-
-    The n-term sum is a chain of multiply-adds in index order, not a dot: XLA then makes
-    the whole update one elementwise fusion (a dot is a launch of its own)."""
-    res = residual.astype(jnp.float32)
-    mixed = comb[..., 0, :, None] * res[..., 0:1, :]
-    for j in range(1, residual.shape[-2]):
-        mixed = mixed + comb[..., j, :, None] * res[..., j:j + 1, :]
+    """``X_new[k] = post[k] out + sum_j comb[j, k] X[j]`` (comb used transposed), f32 math."""
+    mixed = jnp.einsum("...jk,...jd->...kd", comb, residual.astype(jnp.float32),
+                       precision=HIGHEST)
     y = post[..., None] * out.astype(jnp.float32)[..., None, :] + mixed
     return y.astype(out.dtype)
 
