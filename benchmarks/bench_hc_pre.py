@@ -27,7 +27,7 @@ from dsv4_jax.ffi import hc_pre
 from dsv4_jax.ffi.hc_pre_sm90 import hc_pre_cute
 from dsv4_jax.kernels.hc_pre_config import HcPreSm90Config
 from step_figures import trace_device_ops
-from timing import PEAK_TBPS, median_seconds
+from timing import PEAK_TBPS, emit_table, median_seconds
 
 DIMS = {"flash": Config.flash, "pro": Config.pro}
 
@@ -92,11 +92,7 @@ def main(argv=None):
             lines.append(f"| {name} | {tokens} | " + " | ".join(cells)
                          + f" | {floor_us(tokens, cfg.hc_mult, cfg.dim):.2f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    emit_table(lines, args.markdown)
 
 
 if __name__ == "__main__":

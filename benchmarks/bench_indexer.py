@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.indexer_reference import choose_block
 from step_figures import trace_device_ops
-from timing import PEAK_TBPS, PEAK_TFLOPS, is_oom, median_seconds
+from timing import PEAK_TBPS, PEAK_TFLOPS, emit_table, is_oom, median_seconds
 
 HEADS, DIM, TOPK = 64, 128, 512
 CASES = {
@@ -130,11 +130,7 @@ def main(argv=None):
                     print(part_lines[-1], flush=True)
     if part_lines:
         lines += ["", "| case | part | us |", "|---|---|---|"] + part_lines
-    text = "\n".join(lines)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(text + "\n")
+    emit_table(lines, args.markdown)
 
 
 if __name__ == "__main__":

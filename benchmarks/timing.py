@@ -78,3 +78,12 @@ def is_oom(err: Exception) -> bool:
     """Whether ``err`` is the device running out of memory."""
     text = str(err)
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def emit_table(lines: list[str], path: str | None) -> None:
+    """Print a benchmark's markdown lines and write them to ``path`` when given."""
+    text = "\n".join(lines)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")

@@ -65,7 +65,7 @@ from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_
                        warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
-from .sm90_primitives import load_cluster_f32x4, store_shared_f32x4
+from .sm90_primitives import launch, load_cluster_f32x4, store_shared_f32x4
 
 NUM_THREADS = 32 * WARP_COUNT
 STEPS = 4                     # MMA steps (K = 32 each: 8 columns per lane) per K block
@@ -119,12 +119,10 @@ class GroupedGemmMmaSyncSm90:
         grid = [n_out // BLOCK_M, mTileExpert.shape[0], self.split_k]
         launched = self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
                                mXs, mOut)
-        if const_expr(self.split_k > 1 and not self.leaves_out("no_cluster")):
-            # The splits of a tile are one cluster: they add their sums in shared memory.
-            launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], cluster=[1, 1, self.split_k],
-                            stream=stream)
-        else:
-            launched.launch(grid=grid, block=[NUM_THREADS, 1, 1], stream=stream)
+        # The splits of a tile are one cluster: they add their sums in shared memory.
+        clustered = self.split_k > 1 and not self.leaves_out("no_cluster")
+        launch(launched, grid, NUM_THREADS, [1, 1, self.split_k] if clustered else None,
+               stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel

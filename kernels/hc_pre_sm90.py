@@ -43,7 +43,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .hc_pre_config import THREADS, HcPreSm90Config
 from .hc_sinkhorn_config import lanes_per_token
 from .hc_sinkhorn_sm90 import _sigmoid, split_lanes
-from .sm90_primitives import (load_cluster_f32, load_global_bf16x4, load_global_f32x4,
+from .sm90_primitives import (launch, load_cluster_f32, load_global_bf16x4, load_global_f32x4,
                               round_bf16, store_global_bf16x4)
 
 WARPS = THREADS // 32
@@ -90,12 +90,8 @@ class HcPreSm90:
 
         self.shared_storage = SharedStorage
         launched = self.kernel(mX, mFn, mScale, mBase, mW, mOut, mPost, mComb)
-        grid = [self.cluster, self.groups, 1]
-        if const_expr(self.cluster > 1):
-            launched.launch(grid=grid, block=[THREADS, 1, 1], cluster=[self.cluster, 1, 1],
-                            stream=stream)
-        else:
-            launched.launch(grid=grid, block=[THREADS, 1, 1], stream=stream)
+        launch(launched, [self.cluster, self.groups, 1], THREADS,
+               [self.cluster, 1, 1] if self.cluster > 1 else None, stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel

@@ -8,6 +8,25 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
+def _f32x4(args: list, text: str, constraints: str, side_effects: bool, loc, ip):
+    """An inline-asm instruction with four f32 results, as a tuple of ``Float32``."""
+    res = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * 4),
+                          [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+                          has_side_effects=side_effects, is_align_stack=False,
+                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
+
+
+def launch(launched, grid: list, threads: int, cluster: list | None, stream) -> None:
+    """Launch a ``cute.kernel`` call on ``grid`` x ``threads``, as clusters of ``cluster``
+    CTAs when given (None: no cluster launch)."""
+    if cluster is None:
+        launched.launch(grid=grid, block=[threads, 1, 1], stream=stream)
+    else:
+        launched.launch(grid=grid, block=[threads, 1, 1], cluster=cluster, stream=stream)
+
+
 @dsl_user_op
 def cp_async_arrive(mbar_ptr: cute.Pointer, *, loc=None, ip=None) -> None:
     """``cp.async.mbarrier.arrive``: +1 pending on the barrier now, -1 once this thread's
@@ -56,15 +75,10 @@ def load_cluster_f32x4(addr: Int32, rank: Int32, *, loc=None, ip=None):
     """Four f32 at shared address ``addr`` of the cluster's CTA ``rank`` (``mapa`` +
     ``ld.shared::cluster.v4``). Ordered after the cluster barrier it follows (side effects):
     the remote CTA's stores before its arrive are then visible."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(rank).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $4, $5;\n"
-        "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [remote];\n}",
-        "=f,=f,=f,=f,r,r,~{memory}", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
+    return _f32x4([Int32(addr), Int32(rank)],
+                  "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $4, $5;\n"
+                  "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [remote];\n}",
+                  "=f,=f,=f,=f,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op
@@ -83,27 +97,18 @@ def load_cluster_f32(addr: Int32, rank: Int32, *, loc=None, ip=None) -> Float32:
 def load_global_f32x4(addr: Int64, *, loc=None, ip=None):
     """Four f32 from a read-only, 16-byte aligned global address (``ld.global.nc``, not
     kept in L1: bytes the SM reads once)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.L1::no_allocate.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,l",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
+    return _f32x4([Int64(addr)], "ld.global.nc.L1::no_allocate.v4.f32 {$0, $1, $2, $3}, [$4];",
+                  "=f,=f,=f,=f,l", False, loc, ip)
 
 
 @dsl_user_op
 def load_global_bf16x4(addr: Int64, *, loc=None, ip=None):
     """Four bf16 from a read-only, 8-byte aligned global address, widened to f32 (exact)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .b32 lo, hi;\nld.global.nc.v2.b32 {lo, hi}, [$4];\n"
-        "shl.b32 $0, lo, 16;\nand.b32 $1, lo, 0xffff0000;\n"
-        "shl.b32 $2, hi, 16;\nand.b32 $3, hi, 0xffff0000;\n}",
-        "=f,=f,=f,=f,l", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
+    return _f32x4([Int64(addr)],
+                  "{\n.reg .b32 lo, hi;\nld.global.nc.v2.b32 {lo, hi}, [$4];\n"
+                  "shl.b32 $0, lo, 16;\nand.b32 $1, lo, 0xffff0000;\n"
+                  "shl.b32 $2, hi, 16;\nand.b32 $3, hi, 0xffff0000;\n}",
+                  "=f,=f,=f,=f,l", False, loc, ip)
 
 
 @dsl_user_op
