@@ -18,12 +18,17 @@ cluster owns the contiguous K slice [r K / C, (r + 1) K / C) of the flattened st
    the warp by butterfly shuffles (lane l ends with sums [l q, (l + 1) q)), summed over the
    warps in warp order through shared memory, and over the cluster's CTAs in rank order
    through distributed shared memory: every CTA then holds the same totals.
-2. The split: n n lanes per token (``split_lanes``) in every CTA (each needs ``pre``); CTA 0
-   stores ``post`` and ``comb``.
-3. Collapse and norm: each thread takes 4 columns of a token per pass, re-reads the n
-   streams' bf16 values (L2 hits), rounds y to bf16 as the reference does, and keeps it in
-   registers; the per-token sums of y^2 are added over the warp, the CTA and the cluster as
-   in 1; then the normalised, weighted row is stored as bf16.
+   Then every thread loads the n streams' values of its collapse units (L2 hits), so that
+   their latency hides under the exchange.
+2. The split: the last ceil(TB / (32 / P)) warps (P = n n lanes per token,
+   ``split_lanes``) run the Sinkhorn chain; CTA 0 stores ``post`` and ``comb``. They arrive
+   at the norm's cluster barrier at once and wait on it at the end, so the chain runs
+   beside step 3.
+3. Collapse and norm, on the other warps: each thread takes 4 columns of a token per pass,
+   computes the token's ``pre`` gates from the totals (as the split does), rounds y to
+   bf16 as the reference does and keeps it in registers; the per-token sums of y^2 are
+   added over the warp, the collapse warps (named barrier 1) and the cluster as in 1; then
+   the normalised, weighted row is stored as bf16.
 Tokens of the last group past T load the last token's rows and store nothing.
 
 Numerics: f32 throughout; the sums' order (per thread in K order, then lanes, warps and
