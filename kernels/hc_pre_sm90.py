@@ -151,7 +151,7 @@ class HcPreSm90:
             cute.arch.barrier(barrier_id=1, number_of_threads=threads)
 
     @cute.jit
-    def source_token(self, t0: Int32, t: int) -> Int32:
+    def source_token(self, t0: Int32, t) -> Int32:
         """Token of group slot t; slots past the end read the last token."""
         src = t0 + t
         if src >= self.tokens:
@@ -196,9 +196,7 @@ class HcPreSm90:
         n = self.n
         for i in cutlass.range_constexpr(self.collapse_passes):
             slot, col = self.unit(rank, tidx + i * self.collapse_threads)
-            src = t0 + slot
-            if src >= self.tokens:
-                src = self.tokens - 1
+            src = self.source_token(t0, slot)
             row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
             for j in cutlass.range_constexpr(n):
                 v = load_global_bf16x4(row + j * self.dim * 2)
