@@ -46,7 +46,7 @@ for what in "$@"; do
     tests)
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-300} \
         python3 -m pytest -m gpu -v -p no:cacheprovider -n 0 --durations=8 \
-        ${TEST_K:+-k "$TEST_K"} tests/test_hc_sinkhorn.py tests/test_hc_pre.py tests/test_grouped_gemm.py \
+        ${TEST_K:+-k "$TEST_K"} tests/test_hc_sinkhorn.py tests/test_hc_pre.py tests/test_router.py tests/test_grouped_gemm.py \
         tests/test_model_gpu.py \
         >"$OUT/gpu_tests.log" 2>&1
       grep -E " passed| failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -30 ;;

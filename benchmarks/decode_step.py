@@ -143,6 +143,7 @@ KERNEL_GROUPS = (("grouped GEMM kernel", "GroupedGemm"),
                  ("sparse attention kernel", "SparseAttention"),
                  ("mHC pre kernel", "HcPre"),
                  ("mHC split kernel", "HcSinkhorn"),
+                 ("router kernel", "RouterSm90"),
                  ("indexer score kernel", "IndexScores"),
                  ("indexer top-k kernel", "IndexTopk"))
 

@@ -167,7 +167,7 @@ def module_of(op_name: str, depth: int = 3) -> str:
 
 # CuTe kernel class names -> the op they belong to.
 CUTE_KERNELS = (("GroupedGemm", "grouped GEMM"), ("SparseAttention", "sparse attention"),
-                ("HcPre", "mHC pre"), ("HcSinkhorn", "mHC split"),
+                ("HcPre", "mHC pre"), ("HcSinkhorn", "mHC split"), ("RouterSm90", "router"),
                 ("IndexScores", "indexer scores"),
                 ("IndexTopk", "indexer top-k"))
 

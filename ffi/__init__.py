@@ -11,11 +11,13 @@ from .moe import (moe_expert_rows, moe_expert_rows_reference, moe_experts,
                   moe_experts_reference)
 from .policy import GroupedGemmPolicy, KernelPolicy
 from .registry import op_names, op_spec
+from .router import moe_router, moe_router_reference
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
 __all__ = ["grouped_gemm", "grouped_gemm_reference", "hc_pre", "hc_pre_reference",
            "hc_split_sinkhorn",
            "hc_split_sinkhorn_reference", "index_topk", "index_topk_reference",
            "moe_expert_rows", "moe_expert_rows_reference", "moe_experts", "moe_experts_reference",
+           "moe_router", "moe_router_reference",
            "sparse_attention", "sparse_attention_reference", "GroupedGemmPolicy",
            "KernelPolicy", "op_names", "op_spec"]

@@ -49,7 +49,7 @@ from .hc_pre_config import THREADS, HcPreSm90Config
 from .hc_sinkhorn_config import lanes_per_token
 from .hc_sinkhorn_sm90 import _sigmoid, split_lanes
 from .sm90_primitives import (launch, load_cluster_f32, load_global_bf16x4, load_global_f32x4,
-                              round_bf16, store_global_bf16x4)
+                              round_bf16, store_global_bf16x4, warp_reduce_scatter)
 
 WARPS = THREADS // 32
 
@@ -208,17 +208,7 @@ class HcPreSm90:
         """The warp's sums: lane l gets the warp total of sums [l q, (l + 1) q) (q =
         padded / 32) by butterfly shuffles, stored in warp row of ``warp_sums``; then
         thread i < padded adds sum i over the warps in warp order into ``cta_sums``."""
-        vals = [sums[i] for i in range(self.padded)]
-        for stage in cutlass.range_constexpr(5):
-            offset = 16 >> stage
-            upper = (lane & offset) != 0
-            count = len(vals) // 2
-            # A comprehension (unrolled at trace time: up to 64 sums per stage).
-            vals = [Float32(cutlass.select_(upper, vals[count + i], vals[i]))
-                    + cute.arch.shuffle_sync_bfly(
-                        Float32(cutlass.select_(upper, vals[i], vals[count + i])),
-                        offset=offset)
-                    for i in range(count)]
+        vals = warp_reduce_scatter([sums[i] for i in range(self.padded)], lane)
         q = self.padded // 32
         warp_sums = storage.warp_sums.get_tensor(cute.make_layout((WARPS * self.padded,)))
         for i in cutlass.range_constexpr(q):

@@ -1,6 +1,7 @@
 """Small sm_90a primitives shared by the CuTe DSL kernels."""
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm, nvvm
@@ -25,6 +26,22 @@ def launch(launched, grid: list, threads: int, cluster: list | None, stream) -> 
         launched.launch(grid=grid, block=[threads, 1, 1], stream=stream)
     else:
         launched.launch(grid=grid, block=[threads, 1, 1], cluster=cluster, stream=stream)
+
+
+def warp_reduce_scatter(values: list, lane: Int32) -> list:
+    """Warp totals of ``values`` (32 q of them, the same count on every lane), scattered:
+    lane l gets the totals of values [l q, (l + 1) q), by five butterfly stages that each
+    halve the values a lane carries (a trace-time helper for kernel bodies)."""
+    vals = list(values)
+    for stage in range(5):
+        offset = 16 >> stage
+        upper = (lane & offset) != 0
+        count = len(vals) // 2
+        vals = [Float32(cutlass.select_(upper, vals[count + i], vals[i]))
+                + cute.arch.shuffle_sync_bfly(
+                    Float32(cutlass.select_(upper, vals[i], vals[count + i])), offset=offset)
+                for i in range(count)]
+    return vals
 
 
 @dsl_user_op

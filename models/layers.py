@@ -26,6 +26,7 @@ from dsv4_jax.config import Config
 from dsv4_jax import quant
 from dsv4_jax.ffi.grouped_gemm import grouped_gemm
 from dsv4_jax.ffi.hc_pre_reference import rms_norm
+from dsv4_jax.ffi.router_reference import matmul_f32
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .parallel import batch_parallel
 
@@ -34,27 +35,6 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 def act_dtype(cfg: Config):
     return jnp.dtype(cfg.dtype)
-
-
-def _matmul_upcast(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), w.astype(jnp.float32),
-                      precision=HIGHEST)
-
-
-def _matmul_bf16_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
-
-
-def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w.T`` in true f32 (no TF32 on GPUs), as the reference's f32 ``F.linear``.
-
-    BF16 ``x`` and ``w`` on a GPU: a BF16 x BF16 product is exact in f32, so the GEMM takes
-    them as they are with f32 accumulation -- the reference's numbers up to the f32 summation
-    order, without writing and reading an f32 copy of the weight (the LM head's is 2 GB) every
-    call. Elsewhere both are upcast (the CPU's bf16 dot sums in another order)."""
-    if x.dtype == w.dtype == jnp.bfloat16:
-        return jax.lax.platform_dependent(x, w, cuda=_matmul_bf16_f32, default=_matmul_upcast)
-    return _matmul_upcast(x, w)
 
 
 def matmul_lowp(x: jax.Array, w: jax.Array) -> jax.Array:

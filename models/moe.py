@@ -23,9 +23,10 @@ import flax.linen as nn
 from dsv4_jax.config import Config
 from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
-from .parallel import expert_parallel
+from dsv4_jax.ffi.router import moe_router
+from .parallel import batch_parallel, expert_parallel
 from .layers import (FP8Weight, Linear, act_dtype, fp4_packed_init, fp8_codes_init,
-                     grouped_linear, matmul_f32, normal_init, pow2_scale_init, FP4_CODE_STD,
+                     grouped_linear, normal_init, pow2_scale_init, FP4_CODE_STD,
                      FP8_CODE_STD)
 
 
@@ -134,34 +135,34 @@ def random_hash_table(key, shape, dtype=jnp.int32, *, n_experts: int):
 
 
 class Gate(nn.Module):
-    """Router: f32 scores, selection by top-k of (score + bias) or by the hash table."""
+    """Router: f32 scores, selection by top-k of (score + bias) or by the hash table, the
+    routing weights (the op ``ffi.moe_router``: one kernel launch at decode on Hopper)."""
     cfg: Config
     hashed: bool
+    policy: KernelPolicy = DEFAULT_POLICY
+    mesh: object = None           # with a mesh, each device routes its own rows
 
     @nn.compact
     def __call__(self, x: jax.Array, token_ids: jax.Array):
         cfg = self.cfg
         w = self.param("weight", normal_init(cfg.dim ** -0.5), (cfg.n_routed_experts, cfg.dim),
                        jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32)
-        logits = matmul_f32(x, w)
-        if cfg.score_func == "softmax":
-            scores = jax.nn.softmax(logits, axis=-1)
-        elif cfg.score_func == "sigmoid":
-            scores = jax.nn.sigmoid(logits)
-        else:
-            scores = jnp.sqrt(jax.nn.softplus(logits))
         k = cfg.n_activated_experts
+        bias = table = None
         if self.hashed:
             table = self.param("tid2eid", lambda key, shape, dtype=jnp.int32: random_hash_table(
                 key, shape, dtype, n_experts=cfg.n_routed_experts), (cfg.vocab_size, k))
-            idx = table[token_ids].astype(jnp.int32)
         else:
             bias = self.param("bias", normal_init(0.1), (cfg.n_routed_experts,), jnp.float32)
-            _, idx = jax.lax.top_k(scores + bias, k)
-        weights = jnp.take_along_axis(scores, idx, axis=-1)
-        if cfg.score_func != "softmax":
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights * cfg.route_scale, idx.astype(jnp.int32)
+
+        def route(xs, ids, weight, b, tab):
+            return moe_router(xs, weight, b, tab, ids, k=k, score_func=cfg.score_func,
+                              route_scale=cfg.route_scale,
+                              implementation=self.policy.implementation_for("moe_router"))
+        ids = token_ids if self.hashed else None
+        if self.mesh is None:
+            return route(x, ids, w, bias, table)
+        return batch_parallel(route, self.mesh, (x, ids), (w, bias, table), 2)
 
 
 class MoE(nn.Module):
@@ -176,8 +177,8 @@ class MoE(nn.Module):
         cfg = self.cfg
         b, s, d = x.shape
         xf = x.reshape(b * s, d)
-        weights, idx = Gate(cfg, self.layer_id < cfg.n_hash_layers, name="gate")(
-            xf, token_ids.reshape(-1))
+        gate = Gate(cfg, self.layer_id < cfg.n_hash_layers, self.policy, self.mesh, name="gate")
+        weights, idx = gate(xf, token_ids.reshape(-1))
         params = Experts(cfg, name="experts")()
         y = routed_experts(xf, weights, idx, params, cfg, self.mesh, self.policy)
         y = y + Expert(cfg, self.policy, self.mesh, name="shared_experts")(xf).astype(

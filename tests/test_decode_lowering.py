@@ -80,7 +80,7 @@ def test_fp8_linears_lower_to_the_grouped_gemm_kernels(tokens):
     """Decode (the warp kernels' 8-row tiles) and prefill (WGMMA tiles): the dense linears'
     launches are there, and gone when the grouped GEMM runs its reference."""
     others = {"moe_experts": "xla", "sparse_attention": "xla", "hc_pre": "xla",
-              "hc_split_sinkhorn": "xla"}
+              "hc_split_sinkhorn": "xla", "moe_router": "xla"}
     text = _lower(KernelPolicy(ops=others), tokens)
     assert kernel_launches(text) >= CFG.n_layers * 6     # wq_a wq_b wkv wo_a wo_b shared
     assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"grouped_gemm": "xla"}), tokens)
@@ -91,7 +91,8 @@ def test_every_mhc_pre_is_one_kernel_launch(tokens):
     """Two sub-blocks per layer (attention, MoE), one launch each: the fused mHC pre
     (mixes, split, collapse, norm); with it on its XLA chain, the split kernel inside the
     chain; no launch with both on their references."""
-    others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla"}
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
+              "moe_router": "xla"}
     text = _lower(KernelPolicy(ops=others), tokens)
     assert kernel_launches(text) == 2 * CFG.n_layers
     assert "HcPreSm90" in text and "HcSinkhornSm90" not in text
@@ -100,6 +101,18 @@ def test_every_mhc_pre_is_one_kernel_launch(tokens):
     assert "HcSinkhornSm90" in text and "HcPreSm90" not in text
     assert CUSTOM_CALL not in _lower(
         KernelPolicy(ops=others | {"hc_pre": "xla", "hc_split_sinkhorn": "xla"}), tokens)
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_every_router_is_one_kernel_launch(tokens):
+    """One launch per MoE layer for the router (scores, top-k or hash table, weights), in
+    the hash layers as in the others; none with it on its reference."""
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
+              "hc_pre": "xla", "hc_split_sinkhorn": "xla"}
+    text = _lower(KernelPolicy(ops=others), tokens)
+    assert 0 < CFG.n_hash_layers < CFG.n_layers
+    assert kernel_launches(text) == CFG.n_layers and "RouterSm90" in text
+    assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"moe_router": "xla"}), tokens)
 
 
 _TO_FP8 = re.compile(r"stablehlo\.convert %\S+ : \(tensor<([0-9x]+)xf32>\) -> "

@@ -161,7 +161,8 @@ def _lower_model(index_impl):
     """A quantised tiny model with the indexer's real head count, lowered for a Hopper GPU."""
     cfg = dj.Config.tiny(quantized=True, index_n_heads=H, index_head_dim=D)
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
-              "hc_pre": "xla", "hc_split_sinkhorn": "xla", "index_topk": index_impl}
+              "hc_pre": "xla", "hc_split_sinkhorn": "xla", "moe_router": "xla",
+              "index_topk": index_impl}
     model = dj.DSV4(cfg, implementation=KernelPolicy(ops=others), runtime_checks=False)
     params = abstract_params(cfg)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256))

@@ -71,7 +71,7 @@ def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantize
     params = dj.init_params(cfg, 0)
     toks = jax.random.randint(jax.random.key(1), (2, 300), 0, cfg.vocab_size)
     others = {op: "xla" for op in ("grouped_gemm", "moe_experts", "sparse_attention",
-                                   "hc_pre", "hc_split_sinkhorn")}
+                                   "hc_pre", "hc_split_sinkhorn", "moe_router")}
     out = {}
     for impl in ("cute", "xla"):
         policy = dj.KernelPolicy(ops=others | {"index_topk": impl})

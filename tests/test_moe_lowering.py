@@ -19,7 +19,8 @@ MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm
               "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90"}
 BATCH = 2
 OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
-                           "hc_pre": "xla", "hc_split_sinkhorn": "xla"}
+                           "hc_pre": "xla", "hc_split_sinkhorn": "xla",
+                           "moe_router": "xla"}
 # A prefill step whose MoE takes WGMMA tiles: more than 128 rows per expert (8 experts, k = 2,
 # 2 rows of tokens), past the few-CTA rule that gives small launches warp tiles.
 PREFILL_TOKENS = 264
