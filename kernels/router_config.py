@@ -13,14 +13,17 @@ THREADS = 256
 CLUSTERS = (1, 2, 4, 8, 16)     # 16: a non-portable size (CuTe DSL allows it on every kernel)
 MAX_TOKENS_PER_CLUSTER = 4
 # Per thread: the logits' partial sums of a CTA's experts x its tokens stay in registers
-# through the K loop, next to one bf16x4 weight load per expert in flight.
-MAX_SUMS_PER_THREAD = 64
+# next to up to MAX_WEIGHT_LOADS 16-byte weight loads in flight: a launch at decode streams
+# 1/C of the weight per SM, and its time is the bytes each SM has in flight
+# (docs/performance.md).
+MAX_SUMS_PER_THREAD = 32
+MAX_WEIGHT_LOADS = 32
 # The top-k runs one warp per token with the experts dealt over its lanes.
 MAX_EXPERTS = 32 * 16
 MAX_K = 32
 # Above this many tokens the gate is a real GEMM (each cluster re-reads the weight): XLA's
 # dot and sort run instead (docs/performance.md).
-MAX_TOKENS = 128
+MAX_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,7 @@ class RouterSm90Config:
     """One launch configuration: ``cluster`` CTAs split the experts; each cluster takes
     ``tokens_per_cluster`` tokens."""
     cluster: int = 16
-    tokens_per_cluster: int = MAX_TOKENS_PER_CLUSTER
+    tokens_per_cluster: int = 2
 
     def __post_init__(self):
         if self.cluster not in CLUSTERS:
@@ -53,13 +56,18 @@ class RouterSm90Config:
             return False, f"E = {experts} experts (at most {MAX_EXPERTS})"
         if k > MAX_K:
             return False, f"k = {k} (at most {MAX_K})"
-        if dim % 4:
-            return False, f"dim = {dim} (a multiple of 4)"
+        if dim % 8:
+            return False, f"dim = {dim} (a multiple of 8)"
         if not 1 <= tokens <= MAX_TOKENS:
             return False, f"{tokens} tokens (the kernel takes 1 .. {MAX_TOKENS})"
         sums = self.tokens_for(tokens) * (experts // self.cluster)
         if sums > MAX_SUMS_PER_THREAD:
             return False, f"{sums} sums per thread (at most {MAX_SUMS_PER_THREAD})"
+        loads = -(-dim // (8 * THREADS)) * (experts // self.cluster)
+        if loads > MAX_WEIGHT_LOADS:
+            return False, (f"{loads} weight loads per thread (E / C = "
+                           f"{experts // self.cluster} experts x the row's passes; at most "
+                           f"{MAX_WEIGHT_LOADS} in flight: slower than XLA's dot)")
         return True, ""
 
 

@@ -11,18 +11,20 @@ Computes ``moe_router`` (``ffi/router.py``) for every token t of x ``[T, d]`` (b
 
 Dataflow: a cluster of C CTAs (256 threads each) per group of TB tokens; CTA r owns the
 experts [r E / C, (r + 1) E / C) (E_c of them) over the whole row.
-1. Logits: each thread takes 4 consecutive columns per pass (the CTA's passes cover the
-   row); it issues the E_c bf16x4 weight loads (read once per cluster, not kept in L1) and
-   its TB x loads before any arithmetic, then adds x * w into E_c TB sums. The sums (padded
-   to a multiple of 32) are reduce-scattered over the warp by butterfly shuffles and summed
-   over the warps in warp order through shared memory.
+1. Logits: each thread takes 8 consecutive columns per pass (the CTA's passes cover the
+   row). It issues its 16-byte weight loads of up to ``MAX_WEIGHT_LOADS`` / E_c passes (read
+   once per cluster, not kept in L1) and its TB x loads before any arithmetic -- a launch at
+   decode is bound by the bytes each SM has in flight -- then adds x * w into E_c TB sums.
+   The sums (padded to a multiple of 32) are reduce-scattered over the warp by butterfly
+   shuffles and summed over the warps in warp order through shared memory.
 2. After a cluster barrier, in CTA 0, warp t routes token t of the group: lane l reads the
    logits of experts l, l + 32, ... from their CTAs' shared memory (distributed shared
    memory), computes the scores (softmax: the max and the sum by warp shuffles), and then
-   either runs k rounds of a warp argmax over score + bias (the winner's lane marks it
-   taken) or reads the token's table row and fetches each chosen expert's score from its
-   lane. Lane j < k stores the j-th expert and its weight; the normalising sum adds the k
-   scores in rank order.
+   either runs k rounds of a warp argmax over score + bias (order keys of the f32 values:
+   the largest key and then the lowest expert holding it by ``redux.sync``; the winner's
+   lane marks it taken and gives its score by one shuffle) or reads the token's table row
+   and fetches each chosen expert's score from its lane. Lane j < k stores the j-th expert
+   and its weight; the normalising sum adds the k scores in rank order.
 Tokens of the last group past T load the last token's row and store nothing.
 
 Numerics: f32 throughout; the logits' sums run in another order than XLA's (per thread in
@@ -31,7 +33,7 @@ scores differ from the reference by a few f32 ulps and a near-tie of the k-th ex
 resolve the other way (tests/test_router.py bounds both).
 
 Constraints (``router_config``): bf16 x and weight, f32 bias; E a multiple of C and at most
-512; k <= 32; d a multiple of 4; TB E / C <= 64.
+512; k <= 32; d a multiple of 8; TB E / C <= 32.
 """
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .router_config import THREADS, RouterSm90Config
-from .sm90_primitives import launch, load_cluster_f32, load_global_bf16x4, warp_reduce_scatter
+from .router_config import MAX_WEIGHT_LOADS, THREADS, RouterSm90Config
+from .sm90_primitives import (launch, load_cluster_f32, load_global_b32x4, order_key,
+                              warp_max_s32, warp_min_s32, warp_reduce_scatter, widen_bf16x2)
 
 WARPS = THREADS // 32
 NEG_INF = float("-inf")
@@ -61,7 +64,9 @@ class RouterSm90:
         self.per_cta = experts // self.cluster
         self.sums = self.tb * self.per_cta
         self.padded = -(-self.sums // 32) * 32
-        self.units = dim // 4                              # 4-column units of a row
+        self.units = dim // 8                              # 8-column units of a row
+        self.passes = -(-self.units // THREADS)
+        self.passes_per_chunk = max(1, MAX_WEIGHT_LOADS // self.per_cta)
         self.candidates = -(-experts // 32)                # experts per lane in the top-k
 
     @cute.jit
@@ -94,13 +99,9 @@ class RouterSm90:
         storage = smem.allocate(self.shared_storage)
         sums = cute.make_rmem_tensor((self.padded,), Float32)
         sums.fill(0.0)
-        for i in cutlass.range_constexpr(-(-self.units // THREADS)):
-            u = tidx + i * THREADS
-            if const_expr((i + 1) * THREADS <= self.units):
-                self.logit_pass(sums, mX, mW, rank, t0, u)
-            else:
-                if u < self.units:
-                    self.logit_pass(sums, mX, mW, rank, t0, u)
+        for first in cutlass.range_constexpr(0, self.passes, self.passes_per_chunk):
+            self.logit_chunk(sums, mX, mW, rank, t0, tidx,
+                             range(first, min(first + self.passes_per_chunk, self.passes)))
         vals = warp_reduce_scatter([sums[i] for i in range(self.padded)], lane)
         q = self.padded // 32
         warp_sums = storage.warp_sums.get_tensor(cute.make_layout((WARPS * self.padded,)))
@@ -135,25 +136,42 @@ class RouterSm90:
             src = self.tokens - 1
         return src
 
-    @cute.jit
-    def logit_pass(self, sums: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, rank: Int32,
-                   t0: Int32, u: Int32):
-        """Columns [4 u, 4 u + 4) of the CTA's experts and the group's tokens into the
-        sums (sum t E_c + j: token slot t, expert j of the CTA); all loads first."""
-        col = (4 * u).to(Int64)
+    def logit_chunk(self, sums: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, rank: Int32,
+                    t0: Int32, tidx: Int32, passes: range):
+        """Passes ``passes`` of the CTA's experts and the group's tokens into the sums (sum
+        t E_c + j: token slot t, expert j of the CTA): pass p covers columns [8 u, 8 u + 8),
+        u = tidx + 256 p. Every weight load of the chunk is issued before the first use (a
+        trace-time helper: units past the row read its last unit with x taken as 0)."""
         first = (rank * self.per_cta).to(Int64)
         w_base, x_base = mW.iterator.toint(), mX.iterator.toint()
-        ws = [load_global_bf16x4(w_base + ((first + j) * self.dim + col) * 2)
-              for j in range(self.per_cta)]
-        xs = [load_global_bf16x4(x_base + (self.source_token(t0, t).to(Int64) * self.dim
-                                           + col) * 2)
-              for t in range(self.tb)]
-        for t in cutlass.range_constexpr(self.tb):
-            for j in cutlass.range_constexpr(self.per_cta):
-                acc = sums[t * self.per_cta + j]
-                for e in cutlass.range_constexpr(4):
-                    acc = acc + xs[t][e] * ws[j][e]
-                sums[t * self.per_cta + j] = acc
+        cols, valid = [], []
+        for p in passes:
+            u = tidx + p * THREADS
+            if (p + 1) * THREADS <= self.units:
+                cols.append((8 * u).to(Int64))
+                valid.append(None)
+            else:
+                cols.append((8 * cutlass.min(u, self.units - 1)).to(Int64))
+                valid.append(u < self.units)
+        ws = [[load_global_b32x4(w_base + ((first + j) * self.dim + col) * 2)
+               for j in range(self.per_cta)] for col in cols]
+        xs = [[load_global_b32x4(x_base + (self.source_token(t0, t).to(Int64) * self.dim
+                                           + col) * 2) for t in range(self.tb)]
+              for col in cols]
+        for c in range(len(cols)):
+            xf = []
+            for t in range(self.tb):
+                row = [v for word in xs[c][t] for v in widen_bf16x2(word)]
+                if valid[c] is not None:
+                    row = [Float32(cutlass.select_(valid[c], v, Float32(0.0))) for v in row]
+                xf.append(row)
+            for j in range(self.per_cta):
+                wf = [v for word in ws[c][j] for v in widen_bf16x2(word)]
+                for t in range(self.tb):
+                    acc = sums[t * self.per_cta + j]
+                    for e in range(8):
+                        acc = acc + xf[t][e] * wf[e]
+                    sums[t * self.per_cta + j] = acc
 
     @cute.jit
     def logit(self, logits: cute.Tensor, logits_addr: Int32, slot: Int32, expert: Int32
@@ -224,31 +242,21 @@ class RouterSm90:
                 chosen.append(expert)
                 weights.append(cute.arch.shuffle_sync(held, expert % 32))
         else:
-            biased = []
+            keys = []
             for i in cutlass.range_constexpr(self.candidates):
                 e = cutlass.min(lane + 32 * i, self.e - 1)
-                biased.append(s[i] + mBias[e])
+                keys.append(order_key(s[i] + mBias[e]))
             free = [Int32(cutlass.select_(lane + 32 * i < self.e, 1, 0))
                     for i in range(self.candidates)]
             for _ in cutlass.range_constexpr(self.k):
-                best, best_e, best_s, have = self.lane_best(biased, s, free, lane)
-                for stage in cutlass.range_constexpr(5):
-                    offset = 16 >> stage
-                    o_best = cute.arch.shuffle_sync_bfly(best, offset=offset)
-                    o_e = cute.arch.shuffle_sync_bfly(best_e, offset=offset)
-                    o_s = cute.arch.shuffle_sync_bfly(best_s, offset=offset)
-                    o_have = cute.arch.shuffle_sync_bfly(have, offset=offset)
-                    wins = Int32(cutlass.select_(
-                        (o_have != 0) & ((have == 0) | (o_best > best)
-                                         | ((o_best == best) & (o_e < best_e))), 1, 0))
-                    best = Float32(cutlass.select_(wins != 0, o_best, best))
-                    best_e = Int32(cutlass.select_(wins != 0, o_e, best_e))
-                    best_s = Float32(cutlass.select_(wins != 0, o_s, best_s))
-                    have = Int32(cutlass.select_(wins != 0, o_have, have))
+                best_key, best_e, best_s = self.lane_best(keys, s, free, lane)
+                top = warp_max_s32(best_key)
+                winner = warp_min_s32(Int32(cutlass.select_(best_key == top, best_e,
+                                                            Int32(self.e))))
                 for i in cutlass.range_constexpr(self.candidates):
-                    free[i] = Int32(cutlass.select_(lane + 32 * i == best_e, 0, free[i]))
-                chosen.append(best_e)
-                weights.append(best_s)
+                    free[i] = Int32(cutlass.select_(lane + 32 * i == winner, 0, free[i]))
+                chosen.append(winner)
+                weights.append(cute.arch.shuffle_sync(best_s, winner % 32))
         total = weights[0]
         for j in cutlass.range_constexpr(1, self.k):
             total = total + weights[j]
@@ -261,17 +269,17 @@ class RouterSm90:
                 mRouteIdx[t, j] = chosen[j]
 
     @cute.jit
-    def lane_best(self, biased: list, s: list, free: list, lane: Int32):
-        """This lane's best free expert: (score + bias, expert, score, found); the lower
-        expert wins a tie (its candidates run in expert order)."""
-        best, best_e, best_s, have = Float32(NEG_INF), Int32(self.e), Float32(0.0), Int32(0)
+    def lane_best(self, keys: list, s: list, free: list, lane: Int32):
+        """This lane's best free expert: (order key of score + bias, expert, score); the
+        lower expert wins a tie (its candidates run in expert order). A lane without a
+        free expert offers the smallest key and expert E."""
+        best_key, best_e, best_s = Int32(-2 ** 31), Int32(self.e), Float32(0.0)
         for i in cutlass.range_constexpr(self.candidates):
-            take = (free[i] != 0) & ((have == 0) | (biased[i] > best))
-            best = Float32(cutlass.select_(take, biased[i], best))
+            take = (free[i] != 0) & ((best_e == self.e) | (keys[i] > best_key))
+            best_key = Int32(cutlass.select_(take, keys[i], best_key))
             best_e = Int32(cutlass.select_(take, lane + 32 * i, best_e))
             best_s = Float32(cutlass.select_(take, s[i], best_s))
-            have = Int32(cutlass.select_(take, 1, have))
-        return best, best_e, best_s, have
+        return best_key, best_e, best_s
 
 
 @cute.jit

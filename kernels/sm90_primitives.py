@@ -9,14 +9,22 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
-def _f32x4(args: list, text: str, constraints: str, side_effects: bool, loc, ip):
-    """An inline-asm instruction with four f32 results, as a tuple of ``Float32``."""
-    res = llvm.inline_asm(llvm.StructType.get_literal([T.f32()] * 4),
+def _results(kind, count: int, args: list, text: str, constraints: str, side_effects: bool,
+             loc, ip):
+    """An inline-asm instruction with ``count`` results of ``kind`` (``Float32`` or
+    ``Int32``), as a tuple."""
+    ir_type = T.f32() if kind is Float32 else T.i32()
+    res = llvm.inline_asm(llvm.StructType.get_literal([ir_type] * count),
                           [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
                           has_side_effects=side_effects, is_align_stack=False,
                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip))
-                 for i in range(4))
+    return tuple(kind(llvm.extractvalue(ir_type, res, [i], loc=loc, ip=ip))
+                 for i in range(count))
+
+
+def _f32x4(args: list, text: str, constraints: str, side_effects: bool, loc, ip):
+    """An inline-asm instruction with four f32 results, as a tuple of ``Float32``."""
+    return _results(Float32, 4, args, text, constraints, side_effects, loc, ip)
 
 
 def launch(launched, grid: list, threads: int, cluster: list | None, stream) -> None:
@@ -126,6 +134,51 @@ def load_global_bf16x4(addr: Int64, *, loc=None, ip=None):
                   "shl.b32 $0, lo, 16;\nand.b32 $1, lo, 0xffff0000;\n"
                   "shl.b32 $2, hi, 16;\nand.b32 $3, hi, 0xffff0000;\n}",
                   "=f,=f,=f,=f,l", False, loc, ip)
+
+
+@dsl_user_op
+def load_global_b32x4(addr: Int64, *, loc=None, ip=None):
+    """16 bytes (e.g. eight bf16) from a read-only, 16-byte aligned global address as four
+    raw 32-bit words (``ld.global.nc``, not kept in L1); widen them where they are used
+    (``widen_bf16x2``), so that many loads can be in flight before the first use."""
+    return _results(Int32, 4, [Int64(addr)],
+                    "ld.global.nc.L1::no_allocate.v4.b32 {$0, $1, $2, $3}, [$4];",
+                    "=r,=r,=r,=r,l", False, loc, ip)
+
+
+@dsl_user_op
+def widen_bf16x2(word: Int32, *, loc=None, ip=None):
+    """The two bf16 of a 32-bit word (low half first) as f32 (exact)."""
+    return _results(Float32, 2, [Int32(word)],
+                    "{\nshl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xffff0000;\n}", "=f,=f,r",
+                    False, loc, ip)
+
+
+def _i32(args: list, text: str, constraints: str, loc, ip) -> Int32:
+    return Int32(llvm.inline_asm(T.i32(), [a.ir_value(loc=loc, ip=ip) for a in args], text,
+                                 constraints, has_side_effects=False, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def order_key(value: Float32, *, loc=None, ip=None) -> Int32:
+    """A signed 32-bit key in the order of the f32 ``value`` (not NaN; -0 below +0): the
+    bits of a positive value, the magnitude bits flipped for a negative one."""
+    return _i32([Float32(value)],
+                "{\n.reg .b32 b, m;\nmov.b32 b, $1;\nshr.s32 m, b, 31;\n"
+                "and.b32 m, m, 0x7fffffff;\nxor.b32 $0, b, m;\n}", "=r,f", loc, ip)
+
+
+@dsl_user_op
+def warp_max_s32(value: Int32, *, loc=None, ip=None) -> Int32:
+    """The largest ``value`` of the (full) warp, on every lane (``redux.sync``)."""
+    return _i32([Int32(value)], "redux.sync.max.s32 $0, $1, 0xffffffff;", "=r,r", loc, ip)
+
+
+@dsl_user_op
+def warp_min_s32(value: Int32, *, loc=None, ip=None) -> Int32:
+    """The smallest ``value`` of the (full) warp, on every lane (``redux.sync``)."""
+    return _i32([Int32(value)], "redux.sync.min.s32 $0, $1, 0xffffffff;", "=r,r", loc, ip)
 
 
 @dsl_user_op
