@@ -1,6 +1,7 @@
 """The mHC pre's pure-JAX reference, its parts and argument checks (contract: ``ffi/hc_pre.py``).
 
-The parts (``stream_mixes``, ``collapse``, ``rms_norm``) are the model's own definitions:
+The parts (``stream_mixes``, ``collapse``, ``rms_norm``, ``hc_post``) are the model's own
+definitions:
 ``models/mhc.py`` and ``models/layers.py`` import them from here, so the op and the model
 cannot drift apart.
 """
@@ -11,7 +12,8 @@ import jax.numpy as jnp
 
 from .hc_sinkhorn_reference import hc_split_sinkhorn_reference
 
-__all__ = ["hc_pre_reference", "check_hc_pre_args", "stream_mixes", "collapse", "rms_norm"]
+__all__ = ["hc_pre_reference", "check_hc_pre_args", "stream_mixes", "collapse", "rms_norm",
+           "hc_post"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -35,6 +37,33 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     if weight is not None:
         y = weight.astype(jnp.float32) * y
     return y.astype(x.dtype)
+
+
+def hc_post(out: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+    """``X_new[k] = post[k] out + sum_j comb[j, k] X[j]`` (comb used transposed), f32 math,
+    in out's dtype: the residual streams after a sub-block."""
+    mixed = jnp.einsum("...jk,...jd->...kd", comb, residual.astype(jnp.float32),
+                       precision=HIGHEST)
+    y = post[..., None] * out.astype(jnp.float32)[..., None, :] + mixed
+    return y.astype(out.dtype)
+
+
+def check_pending(x, pending, n: int, op: str = "hc_pre") -> None:
+    """``pending = (out, post, comb)`` of the sub-block before ``x``: shapes named in one
+    line."""
+    if not isinstance(pending, (tuple, list)) or len(pending) != 3:
+        raise TypeError(f"{op}: pending must be (out, post, comb) or None, got "
+                        f"{type(pending).__name__}")
+    out, post, comb = pending
+    lead, d = tuple(x.shape[:-2]), x.shape[-1]
+    for name, a, want in (("out", out, lead + (d,)), ("post", post, lead + (n,)),
+                          ("comb", comb, lead + (n, n))):
+        if tuple(a.shape) != want:
+            raise ValueError(f"{op}: pending {name} must be {list(want)} for x of shape "
+                             f"{tuple(x.shape)}; it has shape {tuple(a.shape)}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"{op}: pending out must have x's dtype {x.dtype}; it has "
+                        f"{out.dtype}")
 
 
 def check_hc_pre_args(x, fn, scale, base, weight, n: int, iters: int) -> None:
@@ -61,11 +90,18 @@ def check_hc_pre_args(x, fn, scale, base, weight, n: int, iters: int) -> None:
                          f"weight has shape {tuple(weight.shape)}")
 
 
-def hc_pre_reference(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float,
-                     norm_eps: float, split=hc_split_sinkhorn_reference):
+def hc_pre_reference(x, fn, scale, base, weight, pending_out=None, pending_post=None,
+                     pending_comb=None, *, n: int, iters: int, hc_eps: float, norm_eps: float,
+                     split=hc_split_sinkhorn_reference):
     """Pure-JAX definition of ``hc_pre`` (runs anywhere). ``split``: the mHC split to use
-    (its reference by default; the op's XLA path passes the ``hc_split_sinkhorn`` op)."""
+    (its reference by default; the op's XLA path passes the ``hc_split_sinkhorn`` op).
+    With the ``pending_*`` arrays, ``x`` is first updated by ``hc_post`` and also
+    returned."""
     check_hc_pre_args(x, fn, scale, base, weight, n, iters)
+    if pending_out is not None:
+        check_pending(x, (pending_out, pending_post, pending_comb), n)
+        x = hc_post(pending_out, x, pending_post, pending_comb)
     pre, post, comb = split(stream_mixes(x, fn, norm_eps), scale, base, n=n, iters=iters,
                             eps=hc_eps)
-    return rms_norm(collapse(x, pre), weight, norm_eps), post, comb
+    out = rms_norm(collapse(x, pre), weight, norm_eps)
+    return (out, post, comb) if pending_out is None else (out, post, comb, x)

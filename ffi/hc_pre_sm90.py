@@ -2,12 +2,15 @@
 tokens) as an XLA custom call."""
 from __future__ import annotations
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
 from dsv4_jax.kernels.hc_pre_config import HcPreSm90Config, choose_config
 
 __all__ = ["support", "hc_pre_cute"]
+
+_NO_F32 = np.zeros((4,), np.float32)
 
 
 def _tokens(x) -> int:
@@ -17,19 +20,21 @@ def _tokens(x) -> int:
     return tokens
 
 
-def support(x, fn, weight, n: int, config: HcPreSm90Config | None = None
-            ) -> tuple[bool, str]:
+def support(x, fn, weight, n: int, config: HcPreSm90Config | None = None, *,
+            pending: bool = False) -> tuple[bool, str]:
     """``config.is_supported`` for these arguments (config None: ``choose_config``'s);
     imports no cutlass."""
     name = lambda a: jnp.dtype(a.dtype).name  # noqa: E731
-    config = config or choose_config(_tokens(x), x.shape[-1])
+    config = config or choose_config(_tokens(x), x.shape[-1], pending)
     return config.is_supported(n=n, dim=x.shape[-1], tokens=_tokens(x), x_dtype=name(x),
-                               fn_dtype=name(fn), weight_dtype=name(weight))
+                               fn_dtype=name(fn), weight_dtype=name(weight), pending=pending)
 
 
-def hc_pre_cute(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float,
-                norm_eps: float, config: HcPreSm90Config | None = None):
-    """The kernel on ``x [..., n, d]`` bf16 -> ``(out [..., d] bf16, post, comb)``."""
+def hc_pre_cute(x, fn, scale, base, weight, pending_out=None, pending_post=None,
+                pending_comb=None, *, n: int, iters: int, hc_eps: float, norm_eps: float,
+                config: HcPreSm90Config | None = None):
+    """The kernel on ``x [..., n, d]`` bf16 -> ``(out [..., d] bf16, post, comb)``; with the
+    ``pending_*`` arrays x is first updated by their hc_post, and x_new is returned too."""
     # Imported when a kernel is emitted (the reference path never loads cutlass); cute_call
     # first: it pins CUTE_DSL_ARCH before cutlass is imported.
     from .cute_call import cute_call
@@ -37,12 +42,20 @@ def hc_pre_cute(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float
 
     lead, d = x.shape[:-2], x.shape[-1]
     t = _tokens(x)
-    config = config or choose_config(t, d)
+    pending = pending_out is not None
+    config = config or choose_config(t, d, pending)
     shapes = (jax.ShapeDtypeStruct((t, d), x.dtype), jax.ShapeDtypeStruct((t, n), jnp.float32),
-              jax.ShapeDtypeStruct((t, n * n), jnp.float32))
-    out, post, comb = cute_call(
+              jax.ShapeDtypeStruct((t, n * n), jnp.float32),
+              jax.ShapeDtypeStruct((t, n * d) if pending else (4,), x.dtype))
+    if pending:
+        update = (pending_out.reshape(t, d), pending_post.reshape(t, n).astype(jnp.float32),
+                  pending_comb.reshape(t, n * n).astype(jnp.float32))
+    else:       # constants (no launch fills them); the kernel does not read them
+        update = (np.zeros((4,), jnp.dtype(x.dtype)), _NO_F32, _NO_F32)
+    out, post, comb, x_new = cute_call(
         kernel.hc_pre_launcher, shapes, x.reshape(t, n * d), fn, scale.astype(jnp.float32),
-        base.astype(jnp.float32), weight, n=n, dim=d, tokens=t, iters=iters,
-        hc_eps=float(hc_eps), norm_eps=float(norm_eps), cluster=config.cluster,
-        tokens_per_cluster=config.tokens_per_cluster)
-    return out.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n)
+        base.astype(jnp.float32), weight, *update, n=n, dim=d, tokens=t, iters=iters,
+        hc_eps=float(hc_eps), norm_eps=float(norm_eps), pending=pending,
+        cluster=config.cluster, tokens_per_cluster=config.tokens_per_cluster)
+    outs = (out.reshape(*lead, d), post.reshape(*lead, n), comb.reshape(*lead, n, n))
+    return outs + ((x_new.reshape(x.shape),) if pending else ())

@@ -13,6 +13,9 @@ from .hc_sinkhorn_config import lanes_per_token
 THREADS = 256
 CLUSTERS = (1, 2, 4, 8, 16)     # 16: a non-portable size (CuTe DSL allows it on every kernel)
 MAX_TOKENS_PER_CLUSTER = 4
+# With a pending hc_post each token's pass also loads the n streams and the sub-block output
+# to form the updated streams: at most 2 tokens per cluster keep that in registers.
+MAX_TOKENS_PER_CLUSTER_PENDING = 2
 # Per token and thread: (2 + n) n mix sums and one sum of squares stay in registers through
 # the K loop, next to the 24 float4 mixing-weight loads in flight.
 MAX_SUMS_PER_THREAD = 128
@@ -44,8 +47,12 @@ class HcPreSm90Config:
         return max(1, min(self.tokens_per_cluster, tokens))
 
     def is_supported(self, *, n: int, dim: int, tokens: int, x_dtype: str, fn_dtype: str,
-                     weight_dtype: str) -> tuple[bool, str]:
-        """``(True, "")`` when the kernel handles these arguments, else ``(False, reason)``."""
+                     weight_dtype: str, pending: bool = False) -> tuple[bool, str]:
+        """``(True, "")`` when the kernel handles these arguments (``pending``: with the
+        previous sub-block's hc_post), else ``(False, reason)``."""
+        if pending and self.tokens_per_cluster > MAX_TOKENS_PER_CLUSTER_PENDING:
+            return False, (f"tokens_per_cluster = {self.tokens_per_cluster} with a pending "
+                           f"hc_post (at most {MAX_TOKENS_PER_CLUSTER_PENDING})")
         if x_dtype != "bfloat16" or weight_dtype != "bfloat16":
             return False, f"x of dtype {x_dtype} and norm weight {weight_dtype} (takes bf16)"
         if fn_dtype != "float32":
@@ -62,14 +69,14 @@ class HcPreSm90Config:
         return True, ""
 
 
-def choose_config(tokens: int, dim: int) -> HcPreSm90Config:
-    """The launch for ``tokens`` rows of width ``dim``: groups of 4 tokens, clusters as
-    large as ``TARGET_CTAS`` over the groups allows (at least 2, at most 16) that divide
-    the columns in 4-column units."""
-    groups = -(-max(tokens, 1) // MAX_TOKENS_PER_CLUSTER)
+def choose_config(tokens: int, dim: int, pending: bool = False) -> HcPreSm90Config:
+    """The launch for ``tokens`` rows of width ``dim``: groups of 4 tokens (2 with a pending
+    hc_post), clusters as large as ``TARGET_CTAS`` over the groups allows (at least 2, at
+    most 16) that divide the columns in 4-column units."""
+    per = MAX_TOKENS_PER_CLUSTER_PENDING if pending else MAX_TOKENS_PER_CLUSTER
+    groups = -(-max(tokens, 1) // per)
     fitting = [c for c in CLUSTERS if dim % (4 * c) == 0]
     if not fitting:
-        return HcPreSm90Config(1, MAX_TOKENS_PER_CLUSTER)
+        return HcPreSm90Config(1, per)
     aim = max(2, TARGET_CTAS // groups)
-    return HcPreSm90Config(max([c for c in fitting if c <= aim] or fitting[:1]),
-                           MAX_TOKENS_PER_CLUSTER)
+    return HcPreSm90Config(max([c for c in fitting if c <= aim] or fitting[:1]), per)

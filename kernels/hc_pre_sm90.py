@@ -58,8 +58,10 @@ class HcPreSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, n: int, dim: int, tokens: int, iters: int, hc_eps: float,
-                 norm_eps: float, config: HcPreSm90Config):
+                 norm_eps: float, config: HcPreSm90Config, pending: bool = False):
         self.n, self.dim, self.tokens, self.iters = n, dim, tokens, iters
+        self.pending = pending
+        self.all_streams = list(range(n))
         self.hc_eps, self.norm_eps = float(hc_eps), float(norm_eps)
         self.cluster = config.cluster
         self.tb = config.tokens_for(tokens)
@@ -80,8 +82,9 @@ class HcPreSm90:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
-                 mBase: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
-                 mComb: cute.Tensor, stream: cuda.CUstream):
+                 mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
+                 mCombP: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
+                 mComb: cute.Tensor, mXNew: cute.Tensor, stream: cuda.CUstream):
         padded, tb = self.padded, self.tb
 
         @cute.struct
@@ -94,15 +97,17 @@ class HcPreSm90:
             total_sq: cute.struct.MemRange[Float32, tb]
 
         self.shared_storage = SharedStorage
-        launched = self.kernel(mX, mFn, mScale, mBase, mW, mOut, mPost, mComb)
+        launched = self.kernel(mX, mFn, mScale, mBase, mW, mOutP, mPostP, mCombP, mOut, mPost,
+                               mComb, mXNew)
         launch(launched, [self.cluster, self.groups, 1], THREADS,
                [self.cluster, 1, 1] if self.cluster > 1 else None, stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
-               mBase: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
-               mComb: cute.Tensor):
+               mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
+               mCombP: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
+               mComb: cute.Tensor, mXNew: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         rank, group, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)
@@ -115,14 +120,14 @@ class HcPreSm90:
         for i in cutlass.range_constexpr(-(-self.k_units // THREADS)):
             u = tidx + i * THREADS
             if const_expr((i + 1) * THREADS <= self.k_units):
-                self.mix_pass(sums, mX, mFn, rank, t0, u)
+                self.mix_pass(sums, mX, mFn, mOutP, mPostP, mCombP, mXNew, rank, t0, u)
             else:
                 if u < self.k_units:
-                    self.mix_pass(sums, mX, mFn, rank, t0, u)
+                    self.mix_pass(sums, mX, mFn, mOutP, mPostP, mCombP, mXNew, rank, t0, u)
         # The collapse's stream values, loaded now: their latency hides under the sums'
         # exchange (every thread loads, the split warps' loads go unused).
         streams = cute.make_rmem_tensor((self.collapse_passes * self.n * 4,), Float32)
-        self.load_streams(streams, mX, rank, t0, tidx)
+        self.load_streams(streams, mX, mOutP, mPostP, mCombP, rank, t0, tidx)
         self.reduce_scatter(sums, storage, warp, lane)
         totals = self.cluster_sums(storage.cta_sums, storage.totals, self.padded, self.sums,
                                    tidx, THREADS)
@@ -159,17 +164,30 @@ class HcPreSm90:
         return src
 
     @cute.jit
-    def mix_pass(self, sums: cute.Tensor, mX: cute.Tensor, mFn: cute.Tensor, rank: Int32,
-                 t0: Int32, u: Int32):
-        """K elements [k, k + 4) of every token into the sums; all loads first."""
+    def mix_pass(self, sums: cute.Tensor, mX: cute.Tensor, mFn: cute.Tensor,
+                 mOutP: cute.Tensor, mPostP: cute.Tensor, mCombP: cute.Tensor,
+                 mXNew: cute.Tensor, rank: Int32, t0: Int32, u: Int32):
+        """K elements [k, k + 4) of every token into the sums; all loads first. With a
+        pending hc_post the elements are the updated streams' (``updated``), stored to
+        ``mXNew`` once: each K element is in one thread's pass of one CTA."""
         k = rank * (self.k // self.cluster) + 4 * u
         fn = mFn.iterator.toint()
         w = [load_global_f32x4(fn + (Int64(m * self.k) + k.to(Int64)) * 4)
              for m in range(self.mixes)]
-        xs = [load_global_bf16x4(mX.iterator.toint()
-                                 + (self.source_token(t0, t).to(Int64) * self.k
-                                    + k.to(Int64)) * 2)
-              for t in range(self.tb)]
+        xs = []
+        if const_expr(self.pending):
+            stream, col = k // self.dim, k % self.dim
+            for t in cutlass.range_constexpr(self.tb):
+                src = self.source_token(t0, t)
+                xs.append(self.updated(mX, mOutP, mPostP, mCombP, src, col, [stream])[0])
+                if t0 + t < self.tokens:
+                    store_global_bf16x4(mXNew.iterator.toint()
+                                        + (src.to(Int64) * self.k + k.to(Int64)) * 2, xs[t])
+        else:
+            xs = [load_global_bf16x4(mX.iterator.toint()
+                                     + (self.source_token(t0, t).to(Int64) * self.k
+                                        + k.to(Int64)) * 2)
+                  for t in range(self.tb)]
         for t in cutlass.range_constexpr(self.tb):
             x = xs[t]
             for m in cutlass.range_constexpr(self.mixes):
@@ -182,6 +200,29 @@ class HcPreSm90:
                 sq = sq + x[e] * x[e]
             sums[t * self.per_token + self.mixes] = sq
 
+    def updated(self, mX: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
+                mCombP: cute.Tensor, src: Int32, col: Int32, streams: list) -> list:
+        """The pending hc_post's streams ``streams`` at columns [col, col + 4) of token
+        ``src``: bf16(post[s] out + sum_j comb[j, s] X[j]) in f32, the sum in j order (a
+        trace-time helper: the mix pass and the collapse compute the same values)."""
+        n = self.n
+        row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
+        xj = [load_global_bf16x4(row + j * self.dim * 2) for j in range(n)]
+        out = load_global_bf16x4(mOutP.iterator.toint()
+                                 + (src.to(Int64) * self.dim + col.to(Int64)) * 2)
+        result = []
+        for s in streams:
+            post = mPostP[src, s]
+            comb = [mCombP[src, j * n + s] for j in range(n)]
+            values = []
+            for e in range(4):
+                mixed = comb[0] * xj[0][e]
+                for j in range(1, n):
+                    mixed = mixed + comb[j] * xj[j][e]
+                values.append(round_bf16(post * out[e] + mixed))
+            result.append(values)
+        return result
+
     @cute.jit
     def unit(self, rank: Int32, u: Int32):
         """(group slot, first column) of 4-column unit u of this CTA's y slice."""
@@ -189,19 +230,27 @@ class HcPreSm90:
                 rank * (self.dim // self.cluster) + 4 * (u % self.col_units))
 
     @cute.jit
-    def load_streams(self, streams: cute.Tensor, mX: cute.Tensor, rank: Int32, t0: Int32,
+    def load_streams(self, streams: cute.Tensor, mX: cute.Tensor, mOutP: cute.Tensor,
+                     mPostP: cute.Tensor, mCombP: cute.Tensor, rank: Int32, t0: Int32,
                      tidx: Int32):
         """The n streams' 4 values of each collapse pass's unit (addresses always valid:
-        units past the end read a clamped token)."""
+        units past the end read a clamped token); with a pending hc_post, the updated
+        streams' (``updated``, as the mix pass computes them)."""
         n = self.n
         for i in cutlass.range_constexpr(self.collapse_passes):
             slot, col = self.unit(rank, tidx + i * self.collapse_threads)
             src = self.source_token(t0, slot)
-            row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
-            for j in cutlass.range_constexpr(n):
-                v = load_global_bf16x4(row + j * self.dim * 2)
-                for e in cutlass.range_constexpr(4):
-                    streams[(i * n + j) * 4 + e] = v[e]
+            if const_expr(self.pending):
+                values = self.updated(mX, mOutP, mPostP, mCombP, src, col, self.all_streams)
+                for j in cutlass.range_constexpr(n):
+                    for e in cutlass.range_constexpr(4):
+                        streams[(i * n + j) * 4 + e] = values[j][e]
+            else:
+                row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
+                for j in cutlass.range_constexpr(n):
+                    v = load_global_bf16x4(row + j * self.dim * 2)
+                    for e in cutlass.range_constexpr(4):
+                        streams[(i * n + j) * 4 + e] = v[e]
 
     @cute.jit
     def reduce_scatter(self, sums: cute.Tensor, storage, warp: Int32, lane: Int32):
@@ -338,15 +387,19 @@ class HcPreSm90:
 
 @cute.jit
 def hc_pre_launcher(stream: cuda.CUstream, x: cute.Tensor, fn: cute.Tensor, scale: cute.Tensor,
-                    base: cute.Tensor, weight: cute.Tensor, out: cute.Tensor, post: cute.Tensor,
-                    comb: cute.Tensor, *, n: cutlass.Constexpr, dim: cutlass.Constexpr,
-                    tokens: cutlass.Constexpr, iters: cutlass.Constexpr,
-                    hc_eps: cutlass.Constexpr, norm_eps: cutlass.Constexpr,
+                    base: cute.Tensor, weight: cute.Tensor, pending_out: cute.Tensor,
+                    pending_post: cute.Tensor, pending_comb: cute.Tensor, out: cute.Tensor,
+                    post: cute.Tensor, comb: cute.Tensor, x_new: cute.Tensor, *,
+                    n: cutlass.Constexpr, dim: cutlass.Constexpr, tokens: cutlass.Constexpr,
+                    iters: cutlass.Constexpr, hc_eps: cutlass.Constexpr,
+                    norm_eps: cutlass.Constexpr, pending: cutlass.Constexpr = False,
                     cluster: cutlass.Constexpr = 8, tokens_per_cluster: cutlass.Constexpr = 4):
-    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config). Without
+    ``pending`` the pending_* inputs and x_new are placeholders the kernel never touches."""
     HcPreSm90(n, dim, tokens, iters, hc_eps, norm_eps,
-              HcPreSm90Config(cluster, tokens_per_cluster))(x, fn, scale, base, weight, out,
-                                                           post, comb, stream)
+              HcPreSm90Config(cluster, tokens_per_cluster), pending)(
+        x, fn, scale, base, weight, pending_out, pending_post, pending_comb, out, post, comb,
+        x_new, stream)
 
 
 __all__ = ["HcPreSm90", "hc_pre_launcher"]

@@ -7,12 +7,10 @@ The residual stream is ``hc_mult`` (= 4) parallel copies ``X [B, S, n, d]``. Per
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from dsv4_jax.ffi.hc_pre import hc_pre
-from dsv4_jax.ffi.hc_pre_reference import collapse, stream_mixes
+from dsv4_jax.ffi.hc_pre_reference import collapse, hc_post, stream_mixes
 from dsv4_jax.ffi.hc_sinkhorn import hc_split_sinkhorn
-from .layers import HIGHEST
 from .parallel import batch_parallel
 
 
@@ -35,23 +33,21 @@ def split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, n: int,
 def mhc_pre(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
             weight: jax.Array, n: int, iters: int, hc_eps: float, norm_eps: float, *,
             implementation: str | None = None, split_implementation: str | None = None,
-            mesh=None):
+            mesh=None, pending=None):
     """The sub-block's input and gates: ``(rms_norm(collapse(X, pre)), post, comb)`` (the
-    op ``ffi.hc_pre``; with a ``mesh``, each device its own rows)."""
-    def run(xs, f, s, b, w):
+    op ``ffi.hc_pre``; with a ``mesh``, each device its own rows). ``pending``: the
+    previous sub-block's ``(out, post, comb)``, whose ``hc_post`` on ``x`` the op applies
+    first; the updated streams are then returned fourth."""
+    def run(xs, f, s, b, w, *p):
         return hc_pre(xs, f, s, b, w, n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
-                      implementation=implementation, split_implementation=split_implementation)
+                      implementation=implementation, split_implementation=split_implementation,
+                      pending=p or None)
+    rows = (x,) + tuple(pending or ())
     if mesh is None:
-        return run(x, fn, scale, base, weight)
-    return batch_parallel(run, mesh, (x,), (fn, scale, base, weight), 3)
-
-
-def hc_post(out: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
-    """``X_new[k] = post[k] out + sum_j comb[j, k] X[j]`` (comb used transposed), f32 math."""
-    mixed = jnp.einsum("...jk,...jd->...kd", comb, residual.astype(jnp.float32),
-                       precision=HIGHEST)
-    y = post[..., None] * out.astype(jnp.float32)[..., None, :] + mixed
-    return y.astype(out.dtype)
+        return run(*rows[:1], fn, scale, base, weight, *rows[1:])
+    held = len(rows) - 1          # the pending arrays follow x among the batched arguments
+    return batch_parallel(lambda xs, *a: run(xs, *a[held:], *a[:held]), mesh, rows,
+                          (fn, scale, base, weight), 3 if pending is None else 4)
 
 
 def hc_head(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,

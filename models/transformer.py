@@ -71,9 +71,11 @@ class Block(nn.Module):
         scale = self.param(f"hc_{prefix}_scale", nn.initializers.ones, (3,), jnp.float32)
         return fn, scale, base
 
-    def _mhc_pre(self, x, prefix):
+    def _mhc_pre(self, x, prefix, pending=None):
         """The sub-block's normalised input, post gates and comb matrix (``ffi.hc_pre``:
-        mixes, split, collapse and the ``{prefix}_norm`` RMSNorm in one op)."""
+        mixes, split, collapse and the ``{prefix}_norm`` RMSNorm in one op). ``pending``:
+        the previous sub-block's ``(out, post, comb)``, its hc_post applied to x in the same
+        op, which then also returns the updated streams."""
         cfg = self.cfg
         fn, scale, base = self._hc(prefix)
         norm = RMSNorm(cfg.dim, cfg.norm_eps, name=f"{prefix}_norm")
@@ -81,15 +83,14 @@ class Block(nn.Module):
                        cfg.hc_eps, cfg.norm_eps,
                        implementation=self.policy.implementation_for("hc_pre"),
                        split_implementation=self.policy.implementation_for("hc_split_sinkhorn"),
-                       mesh=self.mesh)
+                       mesh=self.mesh, pending=pending)
 
     def block(self, x, token_ids, lcache: LayerCache, lengths, num_new):
         cfg = self.cfg
         normed, post, comb = self._mhc_pre(x, "attn")
         a, lcache, pending = Attention(cfg, self.layer_id, self.policy, self.mesh,
                                        name="attn")(normed, lcache, lengths, num_new)
-        x = hc_post(a, x, post, comb)
-        normed, post, comb = self._mhc_pre(x, "ffn")
+        normed, post, comb, x = self._mhc_pre(x, "ffn", pending=(a, post, comb))
         f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(normed, token_ids)
         return hc_post(f, x, post, comb), lcache, pending
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import np_reference as ref
 from dsv4_jax.ffi import hc_pre, hc_pre_reference
+from dsv4_jax.ffi.hc_pre_reference import hc_post
 from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config, choose_config
 
 N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
@@ -65,6 +66,43 @@ def test_leading_dims_and_the_xla_chain_on_cpu():
         hc_pre(x, fn, scale, base, weight, **STATIC, implementation="cute")
 
 
+def _pending(tokens, dim, seed=1, n=N, dtype=jnp.bfloat16):
+    """A previous sub-block's output, post gates in (0, 2) and a doubly-stochastic-like comb."""
+    rng = np.random.default_rng(seed)
+    comb = rng.random((tokens, n, n)) + 0.1
+    return (jnp.asarray(rng.standard_normal((tokens, dim)) * 2, dtype),
+            jnp.asarray(2 * rng.random((tokens, n)), jnp.float32),
+            jnp.asarray(comb / comb.sum(-1, keepdims=True), jnp.float32))
+
+
+def test_pending_is_hc_post_then_the_pre():
+    """With ``pending`` the op is the previous sub-block's hc_post followed by the pre, bit
+    for bit, and returns the updated streams fourth (the reference and the op's chain)."""
+    x, fn, scale, base, weight = _inputs(6, 64)
+    pending = _pending(6, 64)
+    x_new = hc_post(*pending[:1], x, *pending[1:])
+    want = hc_pre_reference(x_new, fn, scale, base, weight, **STATIC)
+    for got in (hc_pre_reference(x, fn, scale, base, weight, *pending, **STATIC),
+                hc_pre(x, fn, scale, base, weight, **STATIC, pending=pending)):
+        assert len(got) == 4
+        for g, w in zip(got, want + (x_new,)):
+            np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("pending, error, message", [
+    ((jnp.zeros((6, 63), jnp.bfloat16),) + _pending(6, 64)[1:], ValueError,
+     r"pending out must be \[6, 64\] for x of shape \(6, 4, 64\); it has shape \(6, 63\)"),
+    (_pending(6, 64)[:2] + (jnp.zeros((6, 4)),), ValueError, r"pending comb must be \[6, 4, 4\]"),
+    ((jnp.zeros((6, 64)),) + _pending(6, 64)[1:], TypeError,
+     "pending out must have x's dtype bfloat16"),
+    (_pending(6, 64)[:2], TypeError, "pending must be"),
+])
+def test_bad_pending_names_the_argument(pending, error, message):
+    x, fn, scale, base, weight = _inputs(6, 64)
+    with pytest.raises(error, match=message):
+        hc_pre(x, fn, scale, base, weight, **STATIC, pending=pending)
+
+
 @pytest.mark.parametrize("change, error, message", [
     (dict(x=jnp.zeros((2, 3, 64))), ValueError, r"x must be \[\.\.\., n = 4, d\]; x has shape "
                                                 r"\(2, 3, 64\)"),
@@ -114,9 +152,16 @@ def test_choose_config_aims_at_64_ctas():
         1: (16, 4), 8: (16, 4), 16: (16, 4), 64: (4, 4), 128: (2, 4)}
     assert choose_config(1, 7168).cluster == 16 and choose_config(1, 72).cluster == 2
     assert choose_config(1, 66).cluster == 1
+    # A pending hc_post: groups of 2 tokens, and the 4-token config is refused.
+    assert choose_config(8, 4096, pending=True) == HcPreSm90Config(16, 2)
+    assert choose_config(64, 4096, pending=True) == HcPreSm90Config(2, 2)
+    ok, why = HcPreSm90Config(16, 4).is_supported(
+        n=N, dim=4096, tokens=8, x_dtype="bfloat16", fn_dtype="float32",
+        weight_dtype="bfloat16", pending=True)
+    assert not ok and "tokens_per_cluster = 4 with a pending hc_post" in why, why
 
 
-def _compile_ptx(dim, tokens, cluster=8):
+def _compile_ptx(dim, tokens, cluster=8, pending=False):
     pytest.importorskip("cutlass")
     import cutlass
     import cutlass.cute as cute
@@ -125,11 +170,15 @@ def _compile_ptx(dim, tokens, cluster=8):
     mixes = (2 + N) * N
     f32 = lambda s: make_fake_compact_tensor(cutlass.Float32, s, assumed_align=16)  # noqa
     bf16 = lambda s: make_fake_compact_tensor(cutlass.BFloat16, s, assumed_align=16)  # noqa
+    rows = lambda dtype, shape: dtype(shape if pending else (4,))  # noqa: E731
     compiled = cute.compile(
         kernel.hc_pre_launcher, make_fake_stream(), bf16((tokens, N * dim)),
-        f32((mixes, N * dim)), f32((3,)), f32((mixes,)), bf16((dim,)), bf16((tokens, dim)),
-        f32((tokens, N)), f32((tokens, N * N)), n=N, dim=dim, tokens=tokens, iters=ITERS,
-        hc_eps=HC_EPS, norm_eps=NORM_EPS, cluster=cluster, tokens_per_cluster=4)
+        f32((mixes, N * dim)), f32((3,)), f32((mixes,)), bf16((dim,)),
+        rows(bf16, (tokens, dim)), rows(f32, (tokens, N)), rows(f32, (tokens, N * N)),
+        bf16((tokens, dim)), f32((tokens, N)), f32((tokens, N * N)),
+        rows(bf16, (tokens, N * dim)), n=N, dim=dim, tokens=tokens, iters=ITERS,
+        hc_eps=HC_EPS, norm_eps=NORM_EPS, pending=pending, cluster=cluster,
+        tokens_per_cluster=2 if pending else 4)
     return compiled.artifacts.PTX
 
 
@@ -172,6 +221,38 @@ def test_cute_matches_the_reference(dim, tokens, cluster, per_cluster):
     g, w = (np.asarray(a, np.float32) for a in (got[0], want[0]))
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-2)
     assert np.mean(g != w) < 0.01, np.mean(g != w)
+
+
+def test_kernel_with_a_pending_update_compiles_for_sm90a():
+    """The pending hc_post: each K element's mix pass loads the n streams and the output
+    (bf16x4) and stores the updated element once; the collapse recomputes its columns'
+    streams the same way; nothing in local memory."""
+    ptx = _compile_ptx(4096, 8, cluster=16, pending=True)
+    assert ".target sm_90a" in ptx and ".local" not in ptx
+    # Mix pass: 2 tokens x (4 streams + out); collapse: 4 streams + out; the norm weight.
+    assert ptx.count("ld.global.nc.v2.b32") == 2 * (N + 1) + (N + 1) + 1
+    # x_new of 2 tokens, post, comb, out.
+    assert ptx.count("st.global") == 2 + 2 + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim, tokens, cluster", [(4096, 1, 16), (4096, 8, 16), (4096, 5, 4),
+                                                  (7168, 3, 8), (4096, 64, 2), (512, 2, 1)])
+def test_cute_with_a_pending_update_matches_the_reference(dim, tokens, cluster):
+    """x_new equal but for rare one-ulp roundings, the rest as without pending."""
+    from dsv4_jax.ffi import hc_pre_sm90
+    args = _inputs(tokens, dim, seed=tokens + dim)
+    pending = _pending(tokens, dim, seed=tokens)
+    config = HcPreSm90Config(cluster, 2)
+    got = jax.jit(lambda *a: hc_pre_sm90.hc_pre_cute(*a, **STATIC, config=config))(
+        *args, *pending)
+    want = jax.jit(lambda *a: hc_pre_reference(*a, **STATIC))(*args, *pending)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-4, atol=1e-6)
+    for i in (0, 3):
+        g, w = (np.asarray(a, np.float32) for a in (got[i], want[i]))
+        np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-2)
+        assert np.mean(g != w) < 0.01, (i, np.mean(g != w))
 
 
 @pytest.mark.gpu
