@@ -239,20 +239,25 @@ def test_kernel_with_a_pending_update_compiles_for_sm90a():
 @pytest.mark.parametrize("dim, tokens, cluster", [(4096, 1, 16), (4096, 8, 16), (4096, 5, 4),
                                                   (7168, 3, 8), (4096, 64, 2), (512, 2, 1)])
 def test_cute_with_a_pending_update_matches_the_reference(dim, tokens, cluster):
-    """x_new equal but for rare one-ulp roundings, the rest as without pending."""
+    """x_new equal to hc_post's but for rare one-ulp roundings (its n-term sum runs in
+    another order than XLA's); the rest as without pending, from the kernel's x_new (a
+    one-ulp x_new moves the mixes by ~1e-5 relative, so they are checked from it)."""
     from dsv4_jax.ffi import hc_pre_sm90
     args = _inputs(tokens, dim, seed=tokens + dim)
     pending = _pending(tokens, dim, seed=tokens)
     config = HcPreSm90Config(cluster, 2)
     got = jax.jit(lambda *a: hc_pre_sm90.hc_pre_cute(*a, **STATIC, config=config))(
         *args, *pending)
-    want = jax.jit(lambda *a: hc_pre_reference(*a, **STATIC))(*args, *pending)
+    g, w = (np.asarray(a, np.float32) for a in (got[3], hc_post(pending[0], args[0],
+                                                                   *pending[1:])))
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-2)
+    assert np.mean(g != w) < 0.01, np.mean(g != w)
+    want = jax.jit(lambda *a: hc_pre_reference(*a, **STATIC))(got[3], *args[1:])
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-4, atol=1e-6)
-    for i in (0, 3):
-        g, w = (np.asarray(a, np.float32) for a in (got[i], want[i]))
-        np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-2)
-        assert np.mean(g != w) < 0.01, (i, np.mean(g != w))
+    g, w = (np.asarray(a, np.float32) for a in (got[0], want[0]))
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=1e-2)
+    assert np.mean(g != w) < 0.01, np.mean(g != w)
 
 
 @pytest.mark.gpu
