@@ -85,18 +85,25 @@ class Block(nn.Module):
                        split_implementation=self.policy.implementation_for("hc_split_sinkhorn"),
                        mesh=self.mesh, pending=pending)
 
-    def block(self, x, token_ids, lcache: LayerCache, lengths, num_new):
+    def block(self, x, token_ids, lcache: LayerCache, lengths, num_new, incoming=None):
+        """The block on the streams ``x``; returns ``(x after attention, lcache, the layer's
+        pending cache update, (f, post, comb))``: the MoE sub-block's hc_post is left to the
+        caller (``hc_post(f, x, post, comb)``, or the next block's ``incoming``, applied
+        inside its first mHC pre). ``incoming``: the previous block's ``(f, post, comb)``."""
         cfg = self.cfg
-        normed, post, comb = self._mhc_pre(x, "attn")
+        normed, post, comb, *updated = self._mhc_pre(x, "attn", pending=incoming)
+        if incoming is not None:
+            x, = updated
         a, lcache, pending = Attention(cfg, self.layer_id, self.policy, self.mesh,
                                        name="attn")(normed, lcache, lengths, num_new)
         normed, post, comb, x = self._mhc_pre(x, "ffn", pending=(a, post, comb))
         f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(normed, token_ids)
-        return hc_post(f, x, post, comb), lcache, pending
+        return x, lcache, pending, (f, post, comb)
 
     @nn.compact
-    def __call__(self, x, token_ids, lcache, lengths, num_new):
-        return self.block(x, token_ids, lcache, lengths, num_new)
+    def __call__(self, x, token_ids, lcache, lengths, num_new, incoming=None):
+        """``block``: the streams before the MoE's hc_post and its ``(f, post, comb)``."""
+        return self.block(x, token_ids, lcache, lengths, num_new, incoming)
 
 
 def _head_params(module: nn.Module, cfg: Config):
@@ -120,7 +127,8 @@ class MTPBlock(Block):
         x = (Linear(cfg, cfg.dim, cfg.dim, "fp8", self.policy, self.mesh, name="e_proj")(e)[
                 :, :, None, :]
              + Linear(cfg, cfg.dim, cfg.dim, "fp8", self.policy, self.mesh, name="h_proj")(hs))
-        x, lcache, _ = self.block(x, token_ids, lcache, lengths, num_new)
+        x, lcache, _, (f, post, comb) = self.block(x, token_ids, lcache, lengths, num_new)
+        x = hc_post(f, x, post, comb)
         fn, scale, base = _head_params(self, cfg)
         h = hc_head(x, fn, scale, base, cfg.norm_eps, cfg.hc_eps)
         return RMSNorm(cfg.dim, cfg.norm_eps, name="norm")(h), x, lcache
@@ -194,11 +202,14 @@ class DSV4(nn.Module):
         if self.mesh is not None:
             check_batch(tokens.shape[0], self.mesh)
         x = self.embed_streams(tokens)
-        new_layers, pendings = [], []
+        new_layers, pendings, outgoing = [], [], None
         for layer, lcache in zip(self.layers, cache.layers):
-            x, lcache, pending = layer(x, tokens, lcache, cache.lengths, num_new)
+            # Each block's last hc_post runs inside the next block's first mHC pre.
+            x, lcache, pending, outgoing = layer(x, tokens, lcache, cache.lengths, num_new,
+                                                 outgoing)
             new_layers.append(lcache)
             pendings.append(pending)
+        x = hc_post(outgoing[0], x, *outgoing[1:])
         logits = self.logits(_select(self.final_norm(x), num_new, logits_at))
         new_cache = cache.replace(layers=tuple(new_layers), lengths=cache.lengths + num_new)
         if cfg.n_mtp_layers and self.is_initializing():     # create the MTP parameters too

@@ -386,8 +386,9 @@ def test_mtp_block_composition(params):
     x0 = jnp.asarray(e[:, :, None, :] + hs, jnp.float32)
     block_params = {k: v for k, v in mp.items()
                     if k not in ("e_proj", "h_proj", "enorm", "hnorm", "norm") and "hc_head" not in k}
-    x1, _, _ = jax.jit(Block(CFG, CFG.n_layers).apply)({"params": block_params}, x0, ids,
-                                                   cache.mtp[0], cache.mtp_lengths, jnp.array([5]))
+    x1, _, _, moe = jax.jit(Block(CFG, CFG.n_layers).apply)(
+        {"params": block_params}, x0, ids, cache.mtp[0], cache.mtp_lengths, jnp.array([5]))
+    x1 = mhc.hc_post(moe[0], x1, *moe[1:])          # the block leaves its last hc_post
     flat = f64(x1).reshape(1, 5, -1)
     mix = flat @ f64(mp["hc_head_fn"]).T / np.sqrt((flat ** 2).mean(-1, keepdims=True) + 1e-6)
     pre = 1 / (1 + np.exp(-(mix * f64(mp["hc_head_scale"]) + f64(mp["hc_head_base"])))) + 1e-6
