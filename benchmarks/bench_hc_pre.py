@@ -15,7 +15,6 @@ Floor: the bytes read once (x, the f32 mixing weights, the norm weight) and writ
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 
@@ -26,8 +25,8 @@ from dsv4_jax.config import Config
 from dsv4_jax.ffi import hc_pre
 from dsv4_jax.ffi.hc_pre_sm90 import hc_pre_cute
 from dsv4_jax.kernels.hc_pre_config import HcPreSm90Config
-from step_figures import trace_device_ops
-from timing import PEAK_TBPS, emit_table, median_seconds
+import op_columns
+from timing import PEAK_TBPS, emit_table
 
 DIMS = {"flash": Config.flash, "pro": Config.pro}
 
@@ -47,8 +46,9 @@ def floor_us(tokens, n, dim):
     return nbytes / (PEAK_TBPS * 1e12) * 1e6
 
 
-def time_op(args, impl, cfg, runs):
-    """``impl``: "xla", "cute" or a kernel config "CxTB" (cluster x tokens per cluster)."""
+def op_fn(impl, cfg):
+    """The jitted op for ``impl``: "xla", "cute" or a kernel config "CxTB" (cluster x
+    tokens per cluster)."""
     static = dict(n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps,
                   norm_eps=cfg.norm_eps)
     if impl not in ("xla", "cute"):
@@ -56,23 +56,13 @@ def time_op(args, impl, cfg, runs):
         fn = jax.jit(lambda *a: hc_pre_cute(*a, **static, config=config))
     else:
         fn = jax.jit(lambda *a: hc_pre(*a, **static, implementation=impl))
-    wall = median_seconds(fn, *args, runs=runs) * 1e6
-    totals, counts = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
-    return wall, sum(totals.values()), sum(counts.values())
+    return fn
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dims", default="flash,pro")
-    p.add_argument("--tokens", default="1,8,64,256")
-    p.add_argument("--impls", default="xla,cute")
-    p.add_argument("--configs", default="", help="kernel configs CxTB, a column each")
-    p.add_argument("--runs", type=int, default=50)
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--markdown")
+    p = op_columns.parser(__doc__, "1,8,64,256")
     args = p.parse_args(argv)
-    impls = ["xla"] if args.tiny else (args.impls.split(",")
-                                       + [c for c in args.configs.split(",") if c])
+    impls = op_columns.columns(args)
     lines = [f"bench_hc_pre {datetime.date.today()} {jax.devices()[0].device_kind}: "
              f"{' '.join(sys.argv[1:])}", "",
              "| dims | tokens | " + " | ".join(f"{i}: wall / device us (launches)"
@@ -82,13 +72,8 @@ def main(argv=None):
         cfg = Config.tiny() if args.tiny else DIMS[name]()
         for tokens in (int(t) for t in args.tokens.split(",")):
             inputs = make_inputs(tokens, cfg.hc_mult, cfg.dim)
-            cells = []
-            for impl in impls:
-                try:
-                    wall, device, launches = time_op(inputs, impl, cfg, args.runs)
-                    cells.append(f"{wall:.1f} / {device:.1f} ({launches})")
-                except Exception as err:  # noqa: BLE001 -- a row's failure is reported in it
-                    cells.append(f"error: {type(err).__name__}: {str(err)[:80]}")
+            cells = [op_columns.cell(lambda: op_fn(impl, cfg), inputs, args.runs)
+                     for impl in impls]
             lines.append(f"| {name} | {tokens} | " + " | ".join(cells)
                          + f" | {floor_us(tokens, cfg.hc_mult, cfg.dim):.2f} |")
             print(lines[-1], flush=True)

@@ -14,7 +14,6 @@ Floor: the bytes read once (x, the bf16 gate weight, the bias) and written, at `
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 
@@ -25,8 +24,8 @@ from dsv4_jax.config import Config
 from dsv4_jax.ffi import moe_router
 from dsv4_jax.ffi.router_sm90 import moe_router_cute
 from dsv4_jax.kernels.router_config import RouterSm90Config
-from step_figures import trace_device_ops
-from timing import PEAK_TBPS, emit_table, median_seconds
+import op_columns
+from timing import PEAK_TBPS, emit_table
 
 DIMS = {"flash": Config.flash, "pro": Config.pro}
 VOCAB = 4096
@@ -51,8 +50,9 @@ def floor_us(tokens, cfg):
     return nbytes / (PEAK_TBPS * 1e12) * 1e6
 
 
-def time_op(args, impl, cfg, runs):
-    """``impl``: "xla", "cute" or a kernel config "CxTB" (cluster x tokens per cluster)."""
+def op_fn(impl, cfg):
+    """The jitted op for ``impl``: "xla", "cute" or a kernel config "CxTB" (cluster x
+    tokens per cluster)."""
     static = dict(k=cfg.n_activated_experts, score_func=cfg.score_func,
                   route_scale=cfg.route_scale)
     if impl not in ("xla", "cute"):
@@ -60,24 +60,14 @@ def time_op(args, impl, cfg, runs):
         fn = jax.jit(lambda *a: moe_router_cute(*a, **static, config=config))
     else:
         fn = jax.jit(lambda *a: moe_router(*a, **static, implementation=impl))
-    wall = median_seconds(fn, *args, runs=runs) * 1e6
-    totals, counts = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
-    return wall, sum(totals.values()), sum(counts.values())
+    return fn
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dims", default="flash,pro")
-    p.add_argument("--tokens", default="1,8,64,128")
+    p = op_columns.parser(__doc__, "1,8,16")
     p.add_argument("--routing", default="bias,hash")
-    p.add_argument("--impls", default="xla,cute")
-    p.add_argument("--configs", default="", help="kernel configs CxTB, a column each")
-    p.add_argument("--runs", type=int, default=50)
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--markdown")
     args = p.parse_args(argv)
-    impls = ["xla"] if args.tiny else (args.impls.split(",")
-                                       + [c for c in args.configs.split(",") if c])
+    impls = op_columns.columns(args)
     lines = [f"bench_router {datetime.date.today()} {jax.devices()[0].device_kind}: "
              f"{' '.join(sys.argv[1:])}", "",
              "| dims | routing | tokens | " + " | ".join(f"{i}: wall / device us (launches)"
@@ -89,13 +79,8 @@ def main(argv=None):
         for routing in args.routing.split(","):
             for tokens in (int(t) for t in args.tokens.split(",")):
                 inputs = make_inputs(tokens, cfg, routing == "hash")
-                cells = []
-                for impl in impls:
-                    try:
-                        wall, device, launches = time_op(inputs, impl, cfg, args.runs)
-                        cells.append(f"{wall:.1f} / {device:.1f} ({launches})")
-                    except Exception as err:  # noqa: BLE001 -- a row's failure is in it
-                        cells.append(f"error: {type(err).__name__}: {str(err)[:80]}")
+                cells = [op_columns.cell(lambda: op_fn(impl, cfg), inputs, args.runs)
+                         for impl in impls]
                 lines.append(f"| {name} | {routing} | {tokens} | " + " | ".join(cells)
                              + f" | {floor_us(tokens, cfg):.2f} |")
                 print(lines[-1], flush=True)

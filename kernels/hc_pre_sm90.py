@@ -49,17 +49,19 @@ from .hc_pre_config import THREADS, HcPreSm90Config
 from .hc_sinkhorn_config import lanes_per_token
 from .hc_sinkhorn_sm90 import _sigmoid, split_lanes
 from .sm90_primitives import (launch, load_cluster_f32, load_global_bf16x4, load_global_f32x4,
-                              round_bf16, store_global_bf16x4, warp_reduce_scatter)
+                              round_bf16, store_global_bf16x4)
+from .token_groups_sm90 import TokenGroupKernel
 
 WARPS = THREADS // 32
 
 
-class HcPreSm90:
+class HcPreSm90(TokenGroupKernel):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, n: int, dim: int, tokens: int, iters: int, hc_eps: float,
                  norm_eps: float, config: HcPreSm90Config, pending: bool = False):
         self.n, self.dim, self.tokens, self.iters = n, dim, tokens, iters
+        self.warps = WARPS
         self.pending = pending
         self.all_streams = list(range(n))
         self.hc_eps, self.norm_eps = float(hc_eps), float(norm_eps)
@@ -108,15 +110,7 @@ class HcPreSm90:
                mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
                mCombP: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
                mComb: cute.Tensor, mXNew: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        rank, group, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        lane = tidx % 32
-        t0 = group * self.tb
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        sums = cute.make_rmem_tensor((self.padded,), Float32)
-        sums.fill(0.0)
+        tidx, rank, warp, lane, t0, storage, sums = self.start()
         for i in cutlass.range_constexpr(-(-self.k_units // THREADS)):
             u = tidx + i * THREADS
             if const_expr((i + 1) * THREADS <= self.k_units):
@@ -128,7 +122,7 @@ class HcPreSm90:
         # exchange (every thread loads, the split warps' loads go unused).
         streams = cute.make_rmem_tensor((self.collapse_passes * self.n * 4,), Float32)
         self.load_streams(streams, mX, mOutP, mPostP, mCombP, rank, t0, tidx)
-        self.reduce_scatter(sums, storage, warp, lane)
+        self.cta_sums(sums, storage.warp_sums, storage.cta_sums, warp, lane)
         totals = self.cluster_sums(storage.cta_sums, storage.totals, self.padded, self.sums,
                                    tidx, THREADS)
         if warp >= self.collapse_warps:
@@ -154,14 +148,6 @@ class HcPreSm90:
             cute.arch.barrier()
         else:
             cute.arch.barrier(barrier_id=1, number_of_threads=threads)
-
-    @cute.jit
-    def source_token(self, t0: Int32, t) -> Int32:
-        """Token of group slot t; slots past the end read the last token."""
-        src = t0 + t
-        if src >= self.tokens:
-            src = self.tokens - 1
-        return src
 
     @cute.jit
     def mix_pass(self, sums: cute.Tensor, mX: cute.Tensor, mFn: cute.Tensor,
@@ -251,25 +237,6 @@ class HcPreSm90:
                     v = load_global_bf16x4(row + j * self.dim * 2)
                     for e in cutlass.range_constexpr(4):
                         streams[(i * n + j) * 4 + e] = v[e]
-
-    @cute.jit
-    def reduce_scatter(self, sums: cute.Tensor, storage, warp: Int32, lane: Int32):
-        """The warp's sums: lane l gets the warp total of sums [l q, (l + 1) q) (q =
-        padded / 32) by butterfly shuffles, stored in warp row of ``warp_sums``; then
-        thread i < padded adds sum i over the warps in warp order into ``cta_sums``."""
-        vals = warp_reduce_scatter([sums[i] for i in range(self.padded)], lane)
-        q = self.padded // 32
-        warp_sums = storage.warp_sums.get_tensor(cute.make_layout((WARPS * self.padded,)))
-        for i in cutlass.range_constexpr(q):
-            warp_sums[warp * self.padded + lane * q + i] = vals[i]
-        cute.arch.barrier()
-        tidx = warp * 32 + lane
-        cta_sums = storage.cta_sums.get_tensor(cute.make_layout((self.padded,)))
-        if tidx < self.padded:
-            total = warp_sums[tidx]
-            for w in cutlass.range_constexpr(1, WARPS):
-                total = total + warp_sums[w * self.padded + tidx]
-            cta_sums[tidx] = total
 
     @cute.jit
     def cluster_sums(self, cta_field, total_field, size: cutlass.Constexpr,

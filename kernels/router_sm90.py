@@ -44,18 +44,20 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .router_config import MAX_WEIGHT_LOADS, THREADS, RouterSm90Config
 from .sm90_primitives import (launch, load_cluster_f32, load_global_b32x4, order_key,
-                              warp_max_s32, warp_min_s32, warp_reduce_scatter, widen_bf16x2)
+                              warp_max_s32, warp_min_s32, widen_bf16x2)
+from .token_groups_sm90 import TokenGroupKernel
 
 WARPS = THREADS // 32
 NEG_INF = float("-inf")
 
 
-class RouterSm90:
+class RouterSm90(TokenGroupKernel):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, experts: int, dim: int, tokens: int, k: int, score_func: str,
                  route_scale: float, hashed: bool, vocab: int, config: RouterSm90Config):
         self.e, self.dim, self.tokens, self.k = experts, dim, tokens, k
+        self.warps = WARPS
         self.score_func, self.route_scale = score_func, float(route_scale)
         self.hashed, self.vocab = hashed, vocab
         self.cluster = config.cluster
@@ -90,30 +92,12 @@ class RouterSm90:
     def kernel(self, mX: cute.Tensor, mW: cute.Tensor, mBias: cute.Tensor,
                mTable: cute.Tensor, mTokens: cute.Tensor, mRouteW: cute.Tensor,
                mRouteIdx: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        rank, group, _ = cute.arch.block_idx()
-        warp = cute.arch.make_warp_uniform(tidx // 32)
-        lane = tidx % 32
-        t0 = group * self.tb
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
-        sums = cute.make_rmem_tensor((self.padded,), Float32)
-        sums.fill(0.0)
+        tidx, rank, warp, lane, t0, storage, sums = self.start()
         for first in cutlass.range_constexpr(0, self.passes, self.passes_per_chunk):
             self.logit_chunk(sums, mX, mW, rank, t0, tidx,
                              range(first, min(first + self.passes_per_chunk, self.passes)))
-        vals = warp_reduce_scatter([sums[i] for i in range(self.padded)], lane)
-        q = self.padded // 32
-        warp_sums = storage.warp_sums.get_tensor(cute.make_layout((WARPS * self.padded,)))
-        for i in cutlass.range_constexpr(q):
-            warp_sums[warp * self.padded + lane * q + i] = vals[i]
-        cute.arch.barrier()
+        self.cta_sums(sums, storage.warp_sums, storage.logits, warp, lane)
         logits = storage.logits.get_tensor(cute.make_layout((self.padded,)))
-        if tidx < self.padded:
-            total = warp_sums[tidx]
-            for w in cutlass.range_constexpr(1, WARPS):
-                total = total + warp_sums[w * self.padded + tidx]
-            logits[tidx] = total
         if const_expr(self.cluster > 1):
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
@@ -127,14 +111,6 @@ class RouterSm90:
             # No CTA leaves while CTA 0 may still read its shared memory.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-
-    @cute.jit
-    def source_token(self, t0: Int32, t) -> Int32:
-        """Token of group slot t; slots past the end read the last token."""
-        src = t0 + t
-        if src >= self.tokens:
-            src = self.tokens - 1
-        return src
 
     def logit_chunk(self, sums: cute.Tensor, mX: cute.Tensor, mW: cute.Tensor, rank: Int32,
                     t0: Int32, tidx: Int32, passes: range):
