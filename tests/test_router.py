@@ -212,7 +212,8 @@ def test_kernel_compiles_for_sm90a(experts, dim, tokens, score_func, hashed):
     (256, 4096, 32, 6, "sqrtsoftplus", False, None), (256, 4096, 7, 6, "softmax", False, (16, 2)),
     (256, 4096, 5, 6, "sigmoid", False, (8, 1)), (384, 7168, 8, 6, "sqrtsoftplus", False, None),
     (8, 512, 3, 2, "sqrtsoftplus", False, None), (8, 512, 6, 2, "softmax", True, (1, 4)),
-    (64, 256, 4, 32, "sqrtsoftplus", False, (2, 1)), (256, 4104, 3, 6, "sqrtsoftplus", False, None)])
+    (64, 256, 4, 32, "sqrtsoftplus", False, (2, 1)),
+    (256, 4104, 3, 6, "sqrtsoftplus", False, None)])
 def test_cute_matches_the_float64_formula(experts, dim, tokens, k, score_func, hashed, config):
     """The experts of every token without a near-tie equal, the weights to a few f32 ulps
     (the logits' sums run in another order than XLA's)."""
