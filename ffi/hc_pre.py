@@ -36,9 +36,8 @@ from .registry import OpSpec, register
 __all__ = ["hc_pre", "hc_pre_reference", "check_hc_pre_args"]
 
 
-def _support(x, fn=None, scale=None, base=None, weight=None, pending_out=None, *args, n,
-             pending=False, **_):
-    return hc_pre_sm90.support(x, fn, weight, n, pending=pending or pending_out is not None)
+def _support(x, fn=None, scale=None, base=None, weight=None, pending_out=None, *_, n, **__):
+    return hc_pre_sm90.support(x, fn, weight, n, pending=pending_out is not None)
 
 
 def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, norm_eps: float,
@@ -59,7 +58,7 @@ def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, nor
                                  implementation=split_implementation)
 
     return dispatch("hc_pre", implementation,
-                    lambda: _support(x, fn, weight=weight, n=n, pending=pending is not None),
+                    lambda: _support(x, fn, scale, base, weight, *(pending or ()), n=n),
                     lambda *a: hc_pre_reference(*a, **static, split=split),
                     lambda *a: hc_pre_sm90.hc_pre_cute(*a, **static),
                     x, fn, scale, base, weight, *(pending or ()))

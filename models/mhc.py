@@ -38,16 +38,15 @@ def mhc_pre(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
     op ``ffi.hc_pre``; with a ``mesh``, each device its own rows). ``pending``: the
     previous sub-block's ``(out, post, comb)``, whose ``hc_post`` on ``x`` the op applies
     first; the updated streams are then returned fourth."""
-    def run(xs, f, s, b, w, *p):
+    def run(xs, *rest):           # the rows (x, then any pending arrays), then the weights
+        *p, f, s, b, w = rest
         return hc_pre(xs, f, s, b, w, n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                       implementation=implementation, split_implementation=split_implementation,
-                      pending=p or None)
-    rows = (x,) + tuple(pending or ())
+                      pending=tuple(p) or None)
+    rows = (x, *(pending or ()))
     if mesh is None:
-        return run(*rows[:1], fn, scale, base, weight, *rows[1:])
-    held = len(rows) - 1          # the pending arrays follow x among the batched arguments
-    return batch_parallel(lambda xs, *a: run(xs, *a[held:], *a[:held]), mesh, rows,
-                          (fn, scale, base, weight), 3 if pending is None else 4)
+        return run(*rows, fn, scale, base, weight)
+    return batch_parallel(run, mesh, rows, (fn, scale, base, weight), 3 if pending is None else 4)
 
 
 def hc_head(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,

@@ -209,7 +209,8 @@ class DSV4(nn.Module):
                                                  outgoing)
             new_layers.append(lcache)
             pendings.append(pending)
-        x = hc_post(outgoing[0], x, *outgoing[1:])
+        f, post, comb = outgoing
+        x = hc_post(f, x, post, comb)
         logits = self.logits(_select(self.final_norm(x), num_new, logits_at))
         new_cache = cache.replace(layers=tuple(new_layers), lengths=cache.lengths + num_new)
         if cfg.n_mtp_layers and self.is_initializing():     # create the MTP parameters too
