@@ -5,6 +5,8 @@ Contract::
 
     grouped_gemm(x, group_ids, w, *, w_up=None, row_weights=None, swiglu_limit=0.0,
                  simulate=False, implementation=None, policy=None) -> y [M, N] in x's dtype
+    grouped_gemm_pair(x, group_ids, w, w_next, *, simulate=False, implementation=None,
+                      policy=None) -> (y [M, N], y_next [M, N_next])
 
     x:           [M, K] bf16 or f32 rows
     group_ids:   [M] int32, the group of each row (any order), or None: the rows in G equal
@@ -25,6 +27,11 @@ A row whose group id is outside ``[0, G)`` is dropped: its output is 0 (concrete
 ``jit`` raise ``ValueError``). The reference (``grouped_gemm_reference``) gathers each row's
 group weights when there are fewer rows than groups, else sorts the rows by group and runs
 one ``lax.ragged_dot_general`` per matrix; the kernel path is ``grouped_gemm_sm90``.
+
+``grouped_gemm_pair`` is two plain ``grouped_gemm`` of the same rows, ``w`` and ``w_next``
+(``[G, N_next, K]``), computed as one: at decode a layer's linears that share an input
+(``wq_a`` and ``wkv``) then cost one kernel launch, not two. The same numbers as two calls,
+but for the order of f32 additions (the launch's K split covers both weights).
 """
 from __future__ import annotations
 
@@ -33,11 +40,13 @@ import jax.numpy as jnp
 from . import grouped_gemm_sm90
 from .dispatch import dispatch
 from .grouped_gemm_reference import (check_grouped_gemm_args, check_ids_in_range,
+                                     check_pair_args, grouped_gemm_pair_reference,
                                      grouped_gemm_reference)
 from .policy import GroupedGemmPolicy
 from .registry import OpSpec, register
 
-__all__ = ["grouped_gemm", "grouped_gemm_reference", "check_grouped_gemm_args"]
+__all__ = ["grouped_gemm", "grouped_gemm_reference", "check_grouped_gemm_args",
+           "grouped_gemm_pair", "grouped_gemm_pair_reference"]
 
 
 # ----------------------------------------------------------------------------- the op
@@ -78,6 +87,35 @@ def grouped_gemm(x, group_ids, w, *, w_up=None, row_weights=None, swiglu_limit: 
                     lambda: _support(x, group_ids, w, w_up if gated else None, row_weights,
                                      simulate=simulate, policy=policy),
                     reference, kernel, x, group_ids, *w, *w_up, row_weights)
+
+
+def grouped_gemm_pair(x, group_ids, w, w_next, *, simulate: bool = False,
+                      implementation: str | None = None,
+                      policy: GroupedGemmPolicy | None = None):
+    """``(grouped_gemm(x, group_ids, w), grouped_gemm(x, group_ids, w_next))`` in one kernel
+    launch where the kernel takes the pair (see the module docstring); ``implementation``
+    and ``policy`` are the grouped GEMM's."""
+    check_pair_args(x, group_ids, w, w_next)
+    check_ids_in_range(group_ids, w[0].shape[0], "grouped_gemm_pair", "group")
+    policy = policy or GroupedGemmPolicy()
+    simulate = bool(simulate)
+
+    def reference(x, group_ids, weight, scale, weight_next, scale_next):
+        return grouped_gemm_pair_reference(x, group_ids, (weight, scale),
+                                           (weight_next, scale_next), simulate=simulate)
+
+    def kernel(x, group_ids, weight, scale, weight_next, scale_next):
+        return grouped_gemm_sm90.grouped_gemm_pair_cute(
+            x, group_ids, (weight, scale), (weight_next, scale_next), simulate=simulate,
+            policy=policy)
+
+    def supported():
+        return grouped_gemm_sm90.pair_support(
+            x.shape[0], x.shape[1], jnp.dtype(x.dtype).name, w, w_next,
+            ragged=group_ids is not None, simulate=simulate, policy=policy)
+
+    return dispatch("grouped_gemm", implementation, supported, reference, kernel, x,
+                    group_ids, *w, *w_next)
 
 
 register(OpSpec("grouped_gemm", grouped_gemm_reference, _support))

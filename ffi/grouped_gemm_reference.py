@@ -13,6 +13,7 @@ from dsv4_jax import quant
 from dsv4_jax.quant import WeightFormat
 
 __all__ = ["grouped_gemm_reference", "check_grouped_gemm_args", "check_weight",
+           "grouped_gemm_pair_reference", "check_pair_args",
            "check_ids_in_range", "grouped_products", "swiglu", "describe"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -102,6 +103,20 @@ def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> Wei
     return fmt
 
 
+def check_pair_args(x, group_ids, w, w_next) -> None:
+    """``grouped_gemm_pair``'s arguments: ``check_grouped_gemm_args`` for ``w``, and
+    ``w_next`` a (weight, scale) pair of the same groups and input features."""
+    check_grouped_gemm_args(x, group_ids, w)
+    op = "grouped_gemm_pair"
+    if (not isinstance(w_next, (tuple, list)) or len(w_next) != 2
+            or getattr(w_next[0], "ndim", 0) != 3):
+        raise ValueError(f"{op}: w_next must be a (weight [G, N_next, K], scale) pair; got "
+                         + (describe("w_next", w_next[0])
+                            if isinstance(w_next, (tuple, list)) and w_next
+                            and hasattr(w_next[0], "shape") else type(w_next).__name__))
+    check_weight(op, "w_next", w_next, w[0].shape[0], w_next[0].shape[1], x.shape[1])
+
+
 # ----------------------------------------------------------------------------- reference
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
     """``silu(min(gate, l)) * clip(up, -l, l)`` in f32 (``limit`` 0: no clamp)."""
@@ -183,3 +198,10 @@ def grouped_gemm_reference(x, group_ids, w, *, w_up=None, row_weights=None,
             h = row_weights.astype(jnp.float32)[:, None] * h
         y = h.astype(x.dtype)
     return y if valid is None else jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
+
+
+def grouped_gemm_pair_reference(x, group_ids, w, w_next, *, simulate: bool = False):
+    """Pure-JAX definition of ``grouped_gemm_pair``: the two plain grouped GEMMs."""
+    check_pair_args(x, group_ids, w, w_next)
+    return tuple(grouped_gemm_reference(x, group_ids, m, simulate=simulate)
+                 for m in (w, w_next))

@@ -14,6 +14,10 @@ One call of ``grouped_gemm_cute``:
 3. one launch (gated: both matrices, SwiGLU x row weight in the epilogue);
 4. rows back in their order; dropped rows are 0.
 
+``grouped_gemm_pair_cute``: two ungated weights of the same rows (a layer's linears that
+share their input) in one launch of a warp kernel, whose output blocks past the first
+weight's read the second weight (``paired``); prefill tiles run a launch per weight.
+
 ``resolve_config`` turns a ``GroupedGemmPolicy`` into the one ``GroupedGemmSm90Config``
 that the support check and the launches of a call share.
 """
@@ -31,7 +35,8 @@ from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, FP8_CODE_ALGORITHMS,
 from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
-           "row_schedule", "use_row_tiles", "block_schedule", "launch", "grouped_gemm_cute"]
+           "row_schedule", "use_row_tiles", "block_schedule", "launch", "grouped_gemm_cute",
+           "pair_config", "pair_support", "grouped_gemm_pair_cute"]
 
 _KERNEL_SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(quant.E8M0_DTYPE))
 
@@ -163,10 +168,12 @@ def _as_bytes(weight, scale):
 
 
 def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=None,
-           swiglu_limit: float = 0.0, x_scale=None,
-           config: GroupedGemmSm90Config) -> jax.Array:
+           swiglu_limit: float = 0.0, x_scale=None, config: GroupedGemmSm90Config,
+           paired: bool = False) -> jax.Array:
     """One launch: sorted rows ``xs`` [M, K] bf16 times their groups' ``weight`` [G, N, .]
-    -> [M, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue).
+    -> [M, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue;
+    ``paired``: ``weight_b`` [G, N_b, .] is a second, ungated weight of the same format
+    whose outputs follow: [M, N + N_b]).
     ``tiles``: ``(tile_group, tile_row0, tile_rows)``; rows outside every tile are left
     unwritten. Algorithms that take codes (``takes_fp8_codes``): ``xs`` are e4m3 codes and
     ``x_scale`` [M, K / 128] f32 their scales (``quant.act_quant``); "mma_fp8" takes the bf16
@@ -179,9 +186,9 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
 
     tile_group, tile_row0, tile_rows = tiles
     fmt = kernel_weight_format(weight, scale)
-    gated = weight_b is not None
+    gated = weight_b is not None and not paired
     w_a, s_a = _as_bytes(weight, scale)
-    w_b, s_b = _as_bytes(weight_b, scale_b) if gated else (w_a, s_a)
+    w_b, s_b = _as_bytes(weight_b, scale_b) if weight_b is not None else (w_a, s_a)
     rw = route_w.astype(jnp.float32) if gated else jnp.zeros((1,), jnp.float32)
     fp8_x = config.algorithm in FP8_CODE_ALGORITHMS
     if fp8_x != (x_scale is not None) or fp8_x != (xs.dtype == jnp.float8_e4m3fn):
@@ -193,7 +200,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
         x_scale = x_scale.astype(jnp.float32)
     else:
         x_scale = jnp.zeros((1,), jnp.float32)
-    out = jax.ShapeDtypeStruct((xs.shape[0], weight.shape[1]), jnp.bfloat16)
+    n_out = weight.shape[1] + (weight_b.shape[1] if paired else 0)
+    out = jax.ShapeDtypeStruct((xs.shape[0], n_out), jnp.bfloat16)
     (y,) = cute_call(kernel.grouped_gemm_launcher, (out,), xs, x_scale, tile_group, tile_row0,
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
@@ -201,7 +209,7 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      algorithm=config.algorithm, split_k=config.split_k,
                      ablation=config.ablation,
                      scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K),
-                     token_stages=config.token_stages)
+                     token_stages=config.token_stages, paired=paired)
     return y
 
 
@@ -221,6 +229,23 @@ def quantized_rows(x, rows, config: GroupedGemmSm90Config, simulate: bool):
     return take(xq), None
 
 
+def _tiles(rows: int, group_ids, groups: int, config: GroupedGemmSm90Config):
+    """``(order, valid_sorted, tiles)`` of a call: None, None and constant tiles for rows in
+    equal blocks (``group_ids`` None), else ``schedule``'s."""
+    if group_ids is None:
+        return None, None, block_schedule(rows, groups, config.block_n)
+    order, valid_sorted, *tiles = schedule(group_ids, groups, config.block_n)
+    return order, valid_sorted, tiles
+
+
+def _in_row_order(ys, order, valid_sorted, dtype):
+    """Sorted rows' outputs back in row order, dropped rows 0, in ``dtype``."""
+    if order is None:
+        return ys.astype(dtype)
+    ys = jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+    return jnp.zeros_like(ys).at[order].set(ys).astype(dtype)
+
+
 def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
                       swiglu_limit: float = 0.0, simulate: bool = False,
                       policy: GroupedGemmPolicy | None = None,
@@ -232,11 +257,7 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     fmt = kernel_weight_format(*w)
     config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,))
     gated = w_up is not None
-    if group_ids is None:
-        order = valid_sorted = None
-        tiles = block_schedule(rows, groups, config.block_n)
-    else:
-        order, valid_sorted, *tiles = schedule(group_ids, groups, config.block_n)
+    order, valid_sorted, tiles = _tiles(rows, group_ids, groups, config)
     rw = None
     if gated:
         rw = (jnp.ones((rows,), jnp.float32) if row_weights is None
@@ -246,7 +267,54 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     ys = launch(xs, tiles, *w, weight_b=None if not gated else w_up[0],
                 scale_b=None if not gated else w_up[1], route_w=rw,
                 swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
-    if order is None:
-        return ys.astype(x.dtype)
-    ys = jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
-    return jnp.zeros_like(ys).at[order].set(ys).astype(x.dtype)
+    return _in_row_order(ys, order, valid_sorted, x.dtype)
+
+
+def pair_config(policy: GroupedGemmPolicy | None, rows: int, k: int, w, w_next,
+                simulate: bool) -> GroupedGemmSm90Config | None:
+    """The config of one paired launch of ``w`` and ``w_next`` (same rows, one format, a
+    warp kernel's decode tiles: they take pairs; ``policy.pair_linears``), or None: two
+    launches."""
+    fmt = kernel_weight_format(*w)
+    if (fmt is None or kernel_weight_format(*w_next) != fmt
+            or not (policy or GroupedGemmPolicy()).pair_linears):
+        return None
+    groups = w[0].shape[0]
+    config = resolve_config(policy, rows, groups, fmt, (k,), simulate,
+                            (w[0].shape[1] + w_next[0].shape[1],))
+    return config if config.spec.tiles == "decode" else None
+
+
+def pair_support(rows: int, k: int, x_dtype: str, w, w_next, *, ragged: bool,
+                 simulate: bool, policy: GroupedGemmPolicy | None) -> tuple[bool, str]:
+    """Whether ``grouped_gemm_pair_cute`` runs these arguments; no cutlass."""
+    for m in (w, w_next):
+        ok, why = support(rows, k, x_dtype, m, ragged=ragged, simulate=simulate,
+                          policy=policy)
+        if not ok:
+            return False, why
+    config = pair_config(policy, rows, k, w, w_next, simulate)
+    if config is None:
+        return True, ""
+    n = w[0].shape[1] + w_next[0].shape[1]
+    return launch_support(config, kernel_weight_format(*w), x_dtype, rows, w[0].shape[0],
+                          [(False, n, k)])
+
+
+def grouped_gemm_pair_cute(x, group_ids, w, w_next, *, simulate: bool = False,
+                           policy: GroupedGemmPolicy | None = None):
+    """``grouped_gemm_pair`` on the Hopper kernels: one paired launch where ``pair_config``
+    gives one (the outputs of ``w`` then ``w_next`` in one [M, N + N_next] buffer, split
+    here), else a ``grouped_gemm_cute`` per weight."""
+    rows, k = x.shape
+    config = pair_config(policy, rows, k, w, w_next, simulate)
+    if config is None:
+        return tuple(grouped_gemm_cute(x, group_ids, m, simulate=simulate, policy=policy)
+                     for m in (w, w_next))
+    order, valid_sorted, tiles = _tiles(rows, group_ids, w[0].shape[0], config)
+    xs, x_scale = quantized_rows(x, order, config, simulate)
+    ys = launch(xs, tiles, *w, weight_b=w_next[0], scale_b=w_next[1], x_scale=x_scale,
+                config=config, paired=True)
+    ys = _in_row_order(ys, order, valid_sorted, x.dtype)
+    n = w[0].shape[1]
+    return ys[:, :n], ys[:, n:]

@@ -47,10 +47,13 @@ class GroupedGemmPolicy:
     split_k: K split of the decode kernels for at most two tiles of rows: None (automatic:
       split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``), or
       that many splits (1: none).
+    pair_linears: linears that share their input (``ffi.grouped_gemm_pair``) in one launch
+      of the decode kernels (False: a launch each, for comparisons).
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
     split_k: int | None = None
+    pair_linears: bool = True
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm, ALGORITHMS),
@@ -64,6 +67,9 @@ class GroupedGemmPolicy:
                 or not 1 <= self.split_k <= MAX_SPLIT_K):
             raise ValueError(f"GroupedGemmPolicy: split_k must be None (automatic) or an "
                              f"integer in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
+        if not isinstance(self.pair_linears, bool):
+            raise TypeError(f"GroupedGemmPolicy: pair_linears must be a bool, got "
+                            f"{self.pair_linears!r}")
 
 
 def _implementation_items(value) -> tuple[tuple[str, str], ...]:

@@ -32,7 +32,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           algorithm: cutlass.Constexpr, split_k: cutlass.Constexpr = 1,
                           ablation: cutlass.Constexpr = "",
                           scale_group: cutlass.Constexpr = 1,
-                          token_stages: cutlass.Constexpr = 2):
+                          token_stages: cutlass.Constexpr = 2,
+                          paired: cutlass.Constexpr = False):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -41,10 +42,13 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     ``s_a`` (and ``w_b``, ``s_b`` when ``gated``): weight bytes and E8M0 scale bytes.
     ``route_w``: the rows' routing weights (gated). ``scale_group``: the warp kernels'
     ``grouped_gemm_config.warp_scale_group`` of the input features. ``out``: bf16
-    [rows, N] (a K split adds its sums in the kernel: one cluster per tile)."""
+    [rows, N] (a K split adds its sums in the kernel: one cluster per tile). ``paired``
+    (the warp kernels, ungated): ``w_b``, ``s_b`` are a second weight of the same rows and
+    format, whose outputs follow ``w_a``'s: ``out`` is [rows, N_a + N_b]."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation,
                                    token_stages=token_stages)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
-    kernel_class(weight_format, gated, swiglu_limit, config, scale_group)(
+    pairing = {"paired": True} if paired else {}     # only the warp kernels take pairs
+    kernel_class(weight_format, gated, swiglu_limit, config, scale_group, **pairing)(
         x, x_scale, tile_group, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)

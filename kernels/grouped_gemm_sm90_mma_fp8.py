@@ -63,10 +63,10 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: GroupedGemmSm90Config, scale_group: int):
+                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):
         if weight_format not in ("fp4", "fp8"):
             raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
-        super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group, paired)
         # Shared memory: [token stages][weight ring: stage-major, then warp][scale buffers].
         self.token_stages = config.token_stages
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes

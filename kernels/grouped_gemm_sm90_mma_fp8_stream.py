@@ -57,8 +57,8 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: GroupedGemmSm90Config, scale_group: int):
-        super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
+                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group, paired)
         self.batch = stream_batch_blocks(weight_format, gated, config.num_stages)
         # Per lane, row half and K block: FP8 two words per MMA step, FP4 one.
         self.step_words = 2 if weight_format == "fp8" else 1

@@ -75,9 +75,12 @@ class GroupedGemmMmaSyncSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: GroupedGemmSm90Config, scale_group: int):
+                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):
+        if paired and gated:
+            raise ValueError("GroupedGemmMmaSyncSm90: a paired launch is ungated")
         self.weight_format = weight_format
         self.gated = gated
+        self.paired = paired
         self.mats = 2 if gated else 1
         self.swiglu_limit = float(swiglu_limit)
         self.num_stages = config.num_stages
@@ -116,6 +119,8 @@ class GroupedGemmMmaSyncSm90:
 
         self.shared_storage = SharedStorage
         n_out = mWa.shape[1]
+        if const_expr(self.paired):
+            n_out = mWa.shape[1] + mWb.shape[1]
         grid = [n_out // BLOCK_M, mTileExpert.shape[0], self.split_k]
         launched = self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
                                mXs, mOut)
@@ -140,12 +145,19 @@ class GroupedGemmMmaSyncSm90:
             base = storage.ring.data_ptr().toint()
             row0 = mTileRow0[slot]
             rows = mTileRows[slot]
+            # The weight this CTA reads and its 64-row block of it (paired: output blocks
+            # past the first weight's are the second weight's).
+            # (Ungated, the K loop reads no second matrix: the chosen one stands in for it.)
+            mW, mS, mW2, mS2, w_tile = mWa, mSa, mWb, mSb, m_tile
+            if const_expr(self.paired):
+                mW, mS, w_tile = self.paired_weight(mWa, mSa, mWb, mSb, m_tile)
+                mW2, mS2 = mW, mS
             # First weight row (of [E * N]) of this warp's 16.
-            w_row = expert * mWa.shape[1] + m_tile * BLOCK_M + warp * WARP_ROWS
+            w_row = expert * mW.shape[1] + w_tile * BLOCK_M + warp * WARP_ROWS
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
             acc.fill(0.0)
             kb0, kb1 = self.k_blocks(mX.shape[1] // BLOCK_K, split)
-            self.k_loop(acc, mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0, rows,
+            self.k_loop(acc, mX, mXs, mW, mS, mW2, mS2, expert, w_tile, w_row, row0, rows,
                         kb0, kb1, base, warp, tidx)
             self.finish(acc)
             # Ablations: "no_reduce" keeps the cluster launch but not its sums, "no_cluster"
@@ -157,6 +169,29 @@ class GroupedGemmMmaSyncSm90:
                     self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
             else:
                 self.epilogue(mRw, mOut, m_tile, warp, row0, rows, lane, acc)
+
+    @cute.jit
+    def paired_weight(self, mWa: cute.Tensor, mSa: cute.Tensor, mWb: cute.Tensor,
+                      mSb: cute.Tensor, m_tile: Int32):
+        """A paired launch's output block ``m_tile``: ``(weight, scales, block in it)`` --
+        ``mWa``'s blocks first, then ``mWb``'s. Both are [G, N_i, row bytes] in one format
+        (scales [G, N_i / 128, K / 128] or [G, N_i, K / 32]); the K loop reads only their
+        base addresses and N, so the chosen pair is rebuilt from those."""
+        tiles_a = mWa.shape[1] // BLOCK_M
+        w_addr, s_addr = mWa.iterator.toint(), mSa.iterator.toint()
+        n, scale_rows, w_tile = Int32(mWa.shape[1]), Int32(mSa.shape[1]), m_tile
+        if m_tile >= tiles_a:
+            w_addr, s_addr = mWb.iterator.toint(), mSb.iterator.toint()
+            n, scale_rows, w_tile = mWb.shape[1], mSb.shape[1], m_tile - tiles_a
+        groups, row_bytes, scale_cols = mWa.shape[0], mWa.shape[2], mSa.shape[2]
+        weight = cute.make_tensor(
+            cute.make_ptr(cutlass.Uint8, w_addr, cute.AddressSpace.gmem, assumed_align=16),
+            cute.make_layout((groups, n, row_bytes), stride=(n * row_bytes, row_bytes, 1)))
+        scales = cute.make_tensor(
+            cute.make_ptr(cutlass.Uint8, s_addr, cute.AddressSpace.gmem, assumed_align=4),
+            cute.make_layout((groups, scale_rows, scale_cols),
+                             stride=(scale_rows * scale_cols, scale_cols, 1)))
+        return weight, scales, w_tile
 
     @cute.jit
     def add_splits(self, acc: cute.Tensor, base: Int32, split: Int32, tidx: Int32):
