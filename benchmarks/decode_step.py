@@ -27,13 +27,15 @@ cache; tokens/s per layer = C / ((t_big - t_small) / (L_big - L_small)).
 values -- ``auto`` (the CuTe kernels where they apply), ``moe_experts=xla`` (the MoE on its
 XLA reference, attention kernel kept: the pre-kernel model), ``xla`` (every op on its
 reference); a ``+ALGORITHM`` suffix sets the grouped GEMM's decode algorithm
-(``auto+wgmma``: the WGMMA kernel on decode tiles too). Each becomes a ``KernelPolicy``. The per-kernel breakdown profiles one
+(``auto+wgmma``: the WGMMA kernel on decode tiles too); a ``/unpaired`` suffix runs the
+linears that share an input (``ffi.grouped_gemm_pair``) in a launch each. Each becomes a ``KernelPolicy``. The per-kernel breakdown profiles one
 step of the big stack per impl (``jax.profiler``) and lists the top device ops by total time.
 Tables go to stdout and, with ``--out``, to a markdown file.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import statistics
@@ -76,12 +78,19 @@ def sub_stack(params: dict, layers: int) -> dict:
 
 
 def policy_of(value: str) -> KernelPolicy:
-    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm]``)."""
+    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/unpaired]``)."""
+    value, _, variant = value.partition("/")
+    if variant not in ("", "unpaired"):
+        raise ValueError(f"--impls: {value}/{variant}: the only variant is /unpaired")
     value, _, algorithm = value.partition("+")
     env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
     if algorithm:
         env[ALGORITHM_ENV_VAR] = algorithm
-    return KernelPolicy.from_environment(env)
+    policy = KernelPolicy.from_environment(env)
+    if variant:           # linears that share an input in a launch each
+        policy = dataclasses.replace(policy, grouped_gemm=dataclasses.replace(
+            policy.grouped_gemm, pair_linears=False))
+    return policy
 
 
 def make_step(cfg, policy: KernelPolicy):

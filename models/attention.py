@@ -31,7 +31,8 @@ from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax import quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
-from .layers import (Linear, RMSNorm, act_dtype, fp8_codes_init, grouped_linear,
+from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_codes_init, fp8_linear_pair,
+                     grouped_linear,
                      head_rms_norm, normal_init, pow2_scale_init, rope_inv_freq, rope_tail,
                      FP8_CODE_STD)
 from .parallel import batch_parallel
@@ -163,14 +164,28 @@ class Attention(nn.Module):
 
         linear = functools.partial(Linear, cfg, family="fp8", policy=self.policy,
                                    mesh=self.mesh)
-        qr = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, name="q_norm")(
-            linear(cfg.dim, cfg.q_lora_rank, name="wq_a")(x))
-        q = linear(cfg.q_lora_rank, h * c, name="wq_b")(qr).reshape(b, s, h, c)
+        if cfg.quantized:      # wq_a and wkv read the same rows: one op, one launch
+            q_lat, kv = fp8_linear_pair(
+                x, FP8Weight(cfg.dim, cfg.q_lora_rank, name="wq_a")(),
+                FP8Weight(cfg.dim, c, name="wkv")(), cfg.quant_simulation,
+                policy=self.policy, mesh=self.mesh)
+        else:
+            q_lat = linear(cfg.dim, cfg.q_lora_rank, name="wq_a")(x)
+            kv = linear(cfg.dim, c, name="wkv")(x)
+        qr = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, name="q_norm")(q_lat)
+        indexer = Indexer(cfg, self.policy, self.mesh, name="indexer") if kind == "csa" else None
+        index_q = None
+        if indexer is not None and cfg.quantized:     # both query projections read qr
+            q, index_q = fp8_linear_pair(
+                qr, FP8Weight(cfg.q_lora_rank, h * c, name="wq_b")(), indexer.query_weight(),
+                cfg.quant_simulation, policy=self.policy, mesh=self.mesh)
+        else:
+            q = linear(cfg.q_lora_rank, h * c, name="wq_b")(qr)
+        q = q.reshape(b, s, h, c)
         q = head_rms_norm(q, cfg.norm_eps)
         q = rope_tail(q, positions[..., None], inv_freq, rd)
 
-        kv = RMSNorm(c, cfg.norm_eps, name="kv_norm")(
-            linear(cfg.dim, c, name="wkv")(x))
+        kv = RMSNorm(c, cfg.norm_eps, name="kv_norm")(kv)
         kv = rope_tail(kv, positions, inv_freq, rd)
         if cfg.quant_simulation:
             kv = jnp.concatenate([quant.fp8_simulate(kv[..., :c - rd], 64), kv[..., c - rd:]],
@@ -185,8 +200,8 @@ class Attention(nn.Module):
             pending = pending.replace(compressor=Compressor(cfg, ratio, c, name="compressor")(
                 x, lcache.kv_state, lcache.score_state, lengths, num_new, inv_freq))
             if kind == "csa":
-                sel, ichunk = Indexer(cfg, self.policy, self.mesh, name="indexer")(
-                    x, qr, positions, lcache, lengths, num_new, inv_freq)
+                sel, ichunk = indexer(x, qr, positions, lcache, lengths, num_new, inv_freq,
+                                      q_proj=index_q)
                 pending = pending.replace(indexer=ichunk)
         new_cache = commit_layer(lcache, pending, lengths, num_new)
         if kind != "swa":

@@ -20,7 +20,8 @@ from dsv4_jax.config import CSA_RATIO, Config, compressor_overlap
 from dsv4_jax import quant
 from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
-from .layers import Linear, RMSNorm, act_dtype, normal_init, rope_tail
+from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_linear, normal_init,
+                     rope_tail)
 
 
 def _place_rows(buf: jax.Array, rows: jax.Array, offset: jax.Array) -> jax.Array:
@@ -132,29 +133,49 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning indexer of CSA layers: scores completed compressed entries, keeps the top-k."""
+    """Lightning indexer of CSA layers: scores completed compressed entries, keeps the top-k.
+
+    Its query projection ``wq_b`` reads the attention's ``qr`` like the attention's own
+    ``wq_b``: with quantised weights the attention runs both as one op
+    (``query_weight``, then ``__call__(..., q_proj=)``)."""
     cfg: Config
     policy: KernelPolicy = DEFAULT_POLICY
     mesh: object = None
 
-    @nn.compact
-    def __call__(self, x, qr, positions, lcache, lengths, num_new, inv_freq):
-        """Returns (top-k entry ids [B,S,k] with -1 for unused, the key compressor's chunk)."""
+    def setup(self):
+        cfg = self.cfg
+        nh, hd = cfg.index_n_heads, cfg.index_head_dim
+        self.wq_b = (FP8Weight(cfg.q_lora_rank, nh * hd) if cfg.quantized else
+                     Linear(cfg, cfg.q_lora_rank, nh * hd, "fp8", policy=self.policy,
+                            mesh=self.mesh))
+        self.compressor = Compressor(cfg, CSA_RATIO, hd, rotate=True)
+        self.weights_proj = Linear(cfg, cfg.dim, nh, "plain")
+
+    def query_weight(self):
+        """``(weight, scale)`` of the FP8 query projection (quantised weights only)."""
+        return self.wq_b()
+
+    def __call__(self, x, qr, positions, lcache, lengths, num_new, inv_freq, q_proj=None):
+        """Returns (top-k entry ids [B,S,k] with -1 for unused, the key compressor's chunk).
+        ``q_proj``: ``wq_b``'s output ``[B,S,H*hd]`` when the caller ran it (else computed
+        here from ``qr``)."""
         cfg = self.cfg
         b, s, _ = x.shape
         nh, hd, m = cfg.index_n_heads, cfg.index_head_dim, CSA_RATIO
         dt = act_dtype(cfg)
-        q = Linear(cfg, cfg.q_lora_rank, nh * hd, "fp8", policy=self.policy, mesh=self.mesh,
-                   name="wq_b")(qr).reshape(b, s, nh, hd)
+        if q_proj is None:
+            q_proj = (fp8_linear(qr, *self.wq_b(), cfg.quant_simulation, policy=self.policy,
+                                 mesh=self.mesh) if cfg.quantized else self.wq_b(qr))
+        q = q_proj.reshape(b, s, nh, hd)
         q = rope_tail(q, positions[..., None], inv_freq, cfg.rope_head_dim)
         q = quant.hadamard_rotate(q)
         if cfg.quant_simulation:
             q = quant.fp4_simulate(q, 32)
-        chunk = Compressor(cfg, m, hd, rotate=True, name="compressor")(
+        chunk = self.compressor(
             x, lcache.index_kv_state, lcache.index_score_state, lengths, num_new, inv_freq)
         ids, _, _ = commit_compressor(chunk, lengths, num_new)
         table = write_entries(lcache.index_keys, chunk.entries, ids)
-        weights = Linear(cfg, cfg.dim, nh, "plain", name="weights_proj")(x)
+        weights = self.weights_proj(x)
         weights = (weights * (hd ** -0.5 * nh ** -0.5)).astype(dt)
         # The scores [B,S,H,N] are never materialised: the op merges blocks of entries into a
         # running top-k with the reference's rounding points (ffi/indexer.py).

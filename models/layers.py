@@ -24,7 +24,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax import quant
-from dsv4_jax.ffi.grouped_gemm import grouped_gemm
+from dsv4_jax.ffi.grouped_gemm import grouped_gemm, grouped_gemm_pair
 from dsv4_jax.ffi.hc_pre_reference import rms_norm
 from dsv4_jax.ffi.router_reference import matmul_f32
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
@@ -159,6 +159,24 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, simulate: bool
     is read in its storage format (``grouped_linear``, one group)."""
     return grouped_linear(x, (weight[None], scale[None]), simulate=simulate, policy=policy,
                           mesh=mesh)
+
+
+def fp8_linear_pair(x: jax.Array, w, w_next, simulate: bool, *,
+                    policy: KernelPolicy = DEFAULT_POLICY, mesh=None):
+    """Two FP8 linears of one input, ``(fp8_linear(x, *w), fp8_linear(x, *w_next))``, as
+    one op (``ffi.grouped_gemm_pair``: one kernel launch at decode); ``w``, ``w_next``:
+    ``(weight [N, K], scale)``."""
+    def run(x, weight, scale, weight_next, scale_next):
+        rows = x.reshape(-1, x.shape[-1])
+        ys = grouped_gemm_pair(rows, None, (weight[None], scale[None]),
+                               (weight_next[None], scale_next[None]), simulate=simulate,
+                               implementation=policy.implementation_for("grouped_gemm"),
+                               policy=policy.grouped_gemm)
+        return tuple(y.reshape(*x.shape[:-1], -1) for y in ys)
+
+    if mesh is None:
+        return run(x, *w, *w_next)
+    return batch_parallel(run, mesh, (x,), (*w, *w_next), 2)
 
 
 class RMSNorm(nn.Module):
