@@ -140,10 +140,13 @@ def use_row_tiles(rows: int, groups: int, config: GroupedGemmSm90Config) -> bool
 
 def row_schedule(group_ids: jax.Array, groups: int):
     """Every row its own tile, rows in their order: ``(valid [M], tile_group, tile_row0,
-    tile_rows)``, one tile slot per row (dropped ids: group -1, no rows)."""
+    tile_rows)``, one tile slot per row. The ids are the tiles' groups as they are: the warp
+    kernels drop a tile whose group is outside ``[0, G)`` (no select before the launch);
+    the rest are constants."""
+    rows = group_ids.shape[0]
     valid = (group_ids >= 0) & (group_ids < groups)
-    return (valid, jnp.where(valid, group_ids, -1).astype(jnp.int32),
-            jnp.arange(group_ids.shape[0], dtype=jnp.int32), valid.astype(jnp.int32))
+    return (valid, group_ids.astype(jnp.int32), jnp.asarray(np.arange(rows, dtype=np.int32)),
+            jnp.asarray(np.ones(rows, np.int32)))
 
 
 def block_schedule(rows: int, groups: int, block_n: int):
@@ -169,11 +172,12 @@ def _as_bytes(weight, scale):
 
 def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=None,
            swiglu_limit: float = 0.0, x_scale=None, config: GroupedGemmSm90Config,
-           paired: bool = False) -> jax.Array:
+           paired: bool = False, token_stride: int = 1) -> jax.Array:
     """One launch: sorted rows ``xs`` [M, K] bf16 times their groups' ``weight`` [G, N, .]
     -> [M, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue;
     ``paired``: ``weight_b`` [G, N_b, .] is a second, ungated weight of the same format
-    whose outputs follow: [M, N + N_b]).
+    whose outputs follow: [M, N + N_b]; ``token_stride``, "mma_fp8" only: row m reads
+    ``xs[m // token_stride]``, ``xs`` then has M / token_stride rows).
     ``tiles``: ``(tile_group, tile_row0, tile_rows)``; rows outside every tile are left
     unwritten. Algorithms that take codes (``takes_fp8_codes``): ``xs`` are e4m3 codes and
     ``x_scale`` [M, K / 128] f32 their scales (``quant.act_quant``); "mma_fp8" takes the bf16
@@ -201,7 +205,7 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
     else:
         x_scale = jnp.zeros((1,), jnp.float32)
     n_out = weight.shape[1] + (weight_b.shape[1] if paired else 0)
-    out = jax.ShapeDtypeStruct((xs.shape[0], n_out), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((xs.shape[0] * token_stride, n_out), jnp.bfloat16)
     (y,) = cute_call(kernel.grouped_gemm_launcher, (out,), xs, x_scale, tile_group, tile_row0,
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
                      swiglu_limit=float(swiglu_limit) if gated else 0.0,
@@ -209,7 +213,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      algorithm=config.algorithm, split_k=config.split_k,
                      ablation=config.ablation,
                      scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K),
-                     token_stages=config.token_stages, paired=paired)
+                     token_stages=config.token_stages, paired=paired,
+                     token_stride=token_stride)
     return y
 
 

@@ -20,6 +20,7 @@ launches.
 """
 from __future__ import annotations
 
+import numpy as np
 import jax.numpy as jnp
 
 from dsv4_jax.kernels.grouped_gemm_config import GroupedGemmSm90Config
@@ -57,25 +58,30 @@ def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
 
 
 def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, policy,
-                 config):
+                 config, source_stride: int = 0):
     """Both launches on assignment rows sorted by expert; row ``a`` reads ``x[source_row[a]]``
-    (``source_row`` None: ``x[a]``). Returns ``order`` (None: the rows kept their order, one
-    tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the rows' outputs ``[A, d]`` bf16
-    in that order (rows of dropped ids are zero)."""
+    (``source_row`` None: ``x[a]``). ``source_stride`` k > 0: ``source_row[a]`` is ``a //
+    k``, which "mma_fp8" reads itself on row tiles (no gather). Returns ``order`` (None: the
+    rows kept their order, one tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the
+    rows' outputs ``[A, d]`` bf16 in that order (rows of dropped ids are zero)."""
     groups = w1[0].shape[0]
     config = config or moe_config(ea.shape[0], w1, w2, simulate=simulate, policy=policy)
     if gemm.use_row_tiles(ea.shape[0], groups, config):
         order = None
         valid_sorted, *tiles = gemm.row_schedule(ea, groups)
-        rw = jnp.where(valid_sorted, wa.astype(jnp.float32), 0.0)
+        rw = wa.astype(jnp.float32)        # a dropped row's weight is never read
         rows = source_row
     else:
         order, valid_sorted, *tiles = gemm.schedule(ea, groups, config.block_n)
         rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
         rows = order if source_row is None else source_row[order]
+    stride = 1
+    if order is None and source_stride > 0 and config.algorithm == "mma_fp8":
+        rows, stride = None, source_stride
     xs, x_scale = gemm.quantized_rows(x, rows, config, simulate)
     h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
-                    swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
+                    swiglu_limit=swiglu_limit, x_scale=x_scale, config=config,
+                    token_stride=stride)
     hs, h_scale = gemm.quantized_rows(h, None, config, simulate)
     ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=config)
     return order, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
@@ -102,8 +108,8 @@ def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
     assignments, but the FP8 simulation runs on the T token rows, the sorted rows gather
     their token directly and each token gathers and sums its rows (f32, deterministic)."""
     t, k = route_idx.shape
-    token = jnp.arange(t * k, dtype=jnp.int32) // k
+    token = jnp.asarray(np.arange(t * k, dtype=np.int32) // k)      # a constant, no launch
     order, ys = _sorted_rows(x, token, route_idx.reshape(-1), route_w.reshape(-1), w1, w3, w2,
                              swiglu_limit=swiglu_limit, simulate=simulate, policy=policy,
-                             config=config)
+                             config=config, source_stride=k)
     return sum_rows_per_token(ys, order, t, k)

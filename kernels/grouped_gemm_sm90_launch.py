@@ -33,7 +33,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           ablation: cutlass.Constexpr = "",
                           scale_group: cutlass.Constexpr = 1,
                           token_stages: cutlass.Constexpr = 2,
-                          paired: cutlass.Constexpr = False):
+                          paired: cutlass.Constexpr = False,
+                          token_stride: cutlass.Constexpr = 1):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -44,11 +45,14 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     ``grouped_gemm_config.warp_scale_group`` of the input features. ``out``: bf16
     [rows, N] (a K split adds its sums in the kernel: one cluster per tile). ``paired``
     (the warp kernels, ungated): ``w_b``, ``s_b`` are a second weight of the same rows and
-    format, whose outputs follow ``w_a``'s: ``out`` is [rows, N_a + N_b]."""
+    format, whose outputs follow ``w_a``'s: ``out`` is [rows, N_a + N_b]. ``token_stride``
+    ("mma_fp8"): tile row r reads row (row0 + r) / token_stride of ``x``."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation,
                                    token_stages=token_stages)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
-    pairing = {"paired": True} if paired else {}     # only the warp kernels take pairs
-    kernel_class(weight_format, gated, swiglu_limit, config, scale_group, **pairing)(
+    # Only the warp kernels take pairs, only "mma_fp8" a token stride.
+    extra = ({"paired": True} if paired else {}) | (
+        {"token_stride": token_stride} if token_stride != 1 else {})
+    kernel_class(weight_format, gated, swiglu_limit, config, scale_group, **extra)(
         x, x_scale, tile_group, tile_row0, tile_rows, w_a, s_a, w_b, s_b, route_w, out, stream)

@@ -61,12 +61,15 @@ FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
 
 class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
+    TAKES_TOKEN_STRIDE = True
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):
+                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False,
+                 token_stride: int = 1):
         if weight_format not in ("fp4", "fp8"):
             raise ValueError(f"GroupedGemmMmaFp8Sm90: FP4/FP8 weights, got {weight_format!r}")
-        super().__init__(weight_format, gated, swiglu_limit, config, scale_group, paired)
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group, paired,
+                         token_stride)
         # Shared memory: [token stages][weight ring: stage-major, then warp][scale buffers].
         self.token_stages = config.token_stages
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
@@ -157,9 +160,12 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
 
     @cute.jit
     def load_row_block(self, mX: cute.Tensor, x_row: Int32, kb: Int32, unit: Int32):
-        """Columns 8 unit .. 8 unit + 7 of K block ``kb`` of row ``x_row`` of ``mX``, as four
-        bf16x2 words."""
+        """Columns 8 unit .. 8 unit + 7 of K block ``kb`` of tile row ``x_row`` -- token row
+        ``x_row / token_stride`` of ``mX`` (the routed experts' assignment rows read their
+        token, no gather before the launch) -- as four bf16x2 words."""
         k_in = mX.shape[1]
+        if const_expr(self.token_stride != 1):
+            x_row = x_row // self.token_stride
         src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
         return load_global_words(src, 4)
 

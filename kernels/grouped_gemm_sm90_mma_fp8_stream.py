@@ -55,6 +55,7 @@ TOKEN_SCALES_OFFSET = WARP_TOKENS * BLOCK_K     # in a K block's token bytes
 
 class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
+    TAKES_TOKEN_STRIDE = False        # stages its token rows itself (``stage_tokens``)
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
                  config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):

@@ -73,11 +73,18 @@ STEPS = 4                     # MMA steps (K = 32 each: 8 columns per lane) per 
 
 class GroupedGemmMmaSyncSm90:
     """Static configuration of one compiled kernel (see the module docstring)."""
+    # Whether tile row r may read token row (row0 + r) / token_stride ("mma_fp8" only).
+    TAKES_TOKEN_STRIDE = False
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):
+                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False,
+                 token_stride: int = 1):
         if paired and gated:
             raise ValueError("GroupedGemmMmaSyncSm90: a paired launch is ungated")
+        if token_stride != 1 and not self.TAKES_TOKEN_STRIDE:
+            raise ValueError(f"{type(self).__name__}: token rows are read one per tile row "
+                             f"(token_stride 1), got {token_stride}")
+        self.token_stride = token_stride
         self.weight_format = weight_format
         self.gated = gated
         self.paired = paired
@@ -137,6 +144,8 @@ class GroupedGemmMmaSyncSm90:
         tidx, _, _ = cute.arch.thread_idx()
         m_tile, slot, split = cute.arch.block_idx()
         expert = mTileExpert[slot]
+        if expert >= mWa.shape[0]:
+            expert = Int32(-1)          # ids outside [0, G) are dropped, like -1
         if expert >= 0:
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(self.shared_storage)

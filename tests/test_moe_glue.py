@@ -20,27 +20,35 @@ HIGHEST = jax.lax.Precision.HIGHEST
 LIMIT = 10.0
 
 
-def _row_expert(tile_expert, tile_row0, tile_rows, rows, block_n):
-    """The expert of each sorted row by the tiles that cover it (-1: in no tile)."""
+def _row_expert(tile_expert, tile_row0, tile_rows, rows, block_n, groups):
+    """The expert of each sorted row by the tiles that cover it (-1: in no tile; the kernels
+    drop tiles whose expert is outside [0, groups))."""
     lane = jnp.arange(block_n)
-    inside = (lane[None] < tile_rows[:, None]) & (tile_expert[:, None] >= 0)
+    inside = ((lane[None] < tile_rows[:, None]) & (tile_expert[:, None] >= 0)
+              & (tile_expert[:, None] < groups))
     target = jnp.where(inside, tile_row0[:, None] + lane[None], rows)
     return jnp.full((rows,), -1, jnp.int32).at[target.reshape(-1)].set(
         jnp.broadcast_to(tile_expert[:, None], target.shape).reshape(-1), mode="drop")
 
 
 def emulated_grouped_gemm(xs, tiles, weight, scale, *, weight_b=None, scale_b=None,
-                          route_w=None, swiglu_limit=0.0, x_scale=None, config):
+                          route_w=None, swiglu_limit=0.0, x_scale=None, config,
+                          token_stride=1):
     """The kernel's arithmetic in XLA; the FP8-activation algorithms take e4m3 codes and
     their per-128 scales, whose products are exactly the simulation's bf16 rows, or
-    quantise the bf16 rows themselves ("mma_fp8")."""
+    quantise the bf16 rows themselves ("mma_fp8", which also reads row m of the tiles from
+    token row m // token_stride)."""
+    if token_stride != 1:
+        assert config.algorithm == "mma_fp8", config
+        xs = jnp.repeat(xs, token_stride, axis=0)
     if x_scale is not None:
         xs = (xs.astype(jnp.float32) * jnp.repeat(x_scale, support.BLOCK_K, axis=1)
               ).astype(jnp.bfloat16)
     elif config.spec.quantizes_tokens:
         xs = quant.act_quant_dequant(xs).astype(jnp.bfloat16)
     tile_expert, tile_row0, tile_rows = tiles
-    row_expert = _row_expert(tile_expert, tile_row0, tile_rows, xs.shape[0], config.block_n)
+    row_expert = _row_expert(tile_expert, tile_row0, tile_rows, xs.shape[0], config.block_n,
+                             weight.shape[0])
     expert = jnp.maximum(row_expert, 0)
 
     def dot(w, s):
@@ -102,6 +110,28 @@ def test_kernel_path_glue_matches_the_reference(monkeypatch, fmt, tokens, algori
                                    atol=2 ** -8 * scale)
         dropped = np.asarray(idx).reshape(-1) < 0
         np.testing.assert_array_equal(np.asarray(rows, np.float32)[dropped], 0.0)
+
+
+def test_decode_row_tiles_read_their_tokens_in_the_kernel(monkeypatch):
+    """Row tiles on "mma_fp8": the gated launch gets the T token rows and ``token_stride``
+    k (no gather of the T k assignment rows before it), and the tiles' groups are the ids as
+    routed (no select: the kernel drops ids outside [0, E)); the w2 launch reads its rows
+    one to one."""
+    seen = []
+
+    def spy(xs, tiles, *args, **kwargs):
+        seen.append((xs.shape[0], kwargs.get("token_stride", 1), tiles[0]))
+        return emulated_grouped_gemm(xs, tiles, *args, **kwargs)
+    monkeypatch.setattr(gemm, "launch", spy)
+    monkeypatch.setattr(gemm, "ROW_TILE_REPEATS", 10.0)
+    x, idx, w, p = _inputs("fp4", 3)
+    policy = GroupedGemmPolicy(decode_algorithm="mma_fp8")
+    op.moe_experts_cute(x, idx, w, p["w1"], p["w3"], p["w2"], swiglu_limit=LIMIT,
+                        simulate=True, policy=policy)
+    (gated_rows, gated_stride, groups), (w2_rows, w2_stride, _) = seen
+    assert (gated_rows, gated_stride) == (3, moe_cases.K)
+    assert (w2_rows, w2_stride) == (3 * moe_cases.K, 1)
+    np.testing.assert_array_equal(np.asarray(groups), np.asarray(idx).reshape(-1))
 
 
 def test_the_op_picks_the_token_level_kernel_path(monkeypatch):
