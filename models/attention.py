@@ -5,6 +5,8 @@ Dataflow for a chunk of S tokens per row (positions ``L_b .. L_b + S - 1``):
 
 1. queries: ``wq_a -> q_norm -> wq_b``, per-head weightless RMSNorm, RoPE on the last 64 dims;
    window entry: ``wkv -> kv_norm``, RoPE, FP8 simulation of the 448 no-RoPE dims.
+   ``wq_a`` and ``wkv`` (both read x) run as one op, as do ``wq_b`` and a CSA layer's
+   indexer ``wq_b`` (both read the normed queries): one kernel launch each at decode.
 2. window pool = each row's ring (previous W entries) followed by the chunk's new entries;
    query t attends positions ``t-W+1 .. t`` found either in the ring (slot ``p mod W``) or in
    the chunk.
@@ -32,9 +34,8 @@ from dsv4_jax import quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_codes_init, fp8_linear_pair,
-                     grouped_linear,
-                     head_rms_norm, normal_init, pow2_scale_init, rope_inv_freq, rope_tail,
-                     FP8_CODE_STD)
+                     grouped_linear, head_rms_norm, normal_init, pow2_scale_init,
+                     rope_inv_freq, rope_tail, FP8_CODE_STD)
 from .parallel import batch_parallel
 
 
