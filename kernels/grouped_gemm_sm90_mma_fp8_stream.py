@@ -58,8 +58,10 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
     TAKES_TOKEN_STRIDE = False        # stages its token rows itself (``stage_tokens``)
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
-                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False):
-        super().__init__(weight_format, gated, swiglu_limit, config, scale_group, paired)
+                 config: GroupedGemmSm90Config, scale_group: int, paired: bool = False,
+                 token_stride: int = 1):
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group, paired,
+                         token_stride)
         self.batch = stream_batch_blocks(weight_format, gated, config.num_stages)
         # Per lane, row half and K block: FP8 two words per MMA step, FP4 one.
         self.step_words = 2 if weight_format == "fp8" else 1
