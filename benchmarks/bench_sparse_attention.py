@@ -4,7 +4,10 @@
                                                 [--config 64x2,64x2s] [--ablations [CONFIGS]]
                                                 [--no-xla] [--markdown out.md]
 
-Shapes: Pro = 128 heads, 128 window + 1024 compressed entries; Flash = 64 heads, 128 + 512.
+Shapes: Pro = 128 heads, 128 window + 1024 compressed entries; Flash = 64 heads, 128 + 512;
+hca1m = Flash heads, 128 + 8192 (an HCA layer at 1M context attends every entry).
+``--pools bf16,fp8``: the compressed entries as BF16 rows and/or as 584-byte FP8 rows
+(``Cache.init(kv_dtype="fp8")``), timed side by side.
 Each token reads its own entries (distinct rows, as in batched decode), so the unique entry
 bytes are T * (K + K2) KB. Timing: one jitted function runs R calls back to back, each on its
 own random data (generated on the device; identical calls would be merged by XLA), so that
@@ -25,13 +28,15 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax import kv_entry
 from dsv4_jax.ffi.sparse_attention import sparse_attention_cute, sparse_attention_reference
 from dsv4_jax.kernels.sparse_attention_config import ABLATIONS, SparseAttentionSm90Config
 from timing import PEAK_TBPS, PEAK_TFLOPS, back_to_back_seconds
 
 SCALE = 512 ** -0.5
 SHAPES = {"pro": dict(heads=128, window=128, extra=1024),
-          "flash": dict(heads=64, window=128, extra=512)}
+          "flash": dict(heads=64, window=128, extra=512),
+          "hca1m": dict(heads=64, window=128, extra=8192)}
 
 
 def make_sets(key, t, heads, window, extra, n_sets):
@@ -65,14 +70,18 @@ def timed(fn, args, groups=7, per_group=10):
     return back_to_back_seconds(fn, *args, groups=groups, per_group=per_group)
 
 
-def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=True):
+def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=True,
+              fp8=False):
     cfg = SHAPES[name]
     h, k, k2 = cfg["heads"], cfg["window"], cfg["extra"]
-    per_call = t * (k + k2) * 1024
+    entry = kv_entry.entry_bytes(512, 64) if fp8 else 1024
+    per_call = t * (k * 1024 + k2 * entry)
     # Distinct data in every call (identical calls would be CSE'd), enough of them that one
     # execution streams well past the 60 MB L2 and amortises its dispatch.
     reps = 64 if t <= 8 else (16 if t <= 64 else 8)
     kv, extra_kv, sink, sets = make_sets(jax.random.key(seed), t, h, k, k2, reps)
+    if fp8:
+        extra_kv = kv_entry.encode(extra_kv, 64)
 
     def runner(impl, n, ablation=""):
         def run(kv, extra_kv, sink, sets):
@@ -116,6 +125,7 @@ def main(argv=None):
                         "(64x2 = the op's choice, 64x2s, 64x2d, 48x3); the XLA reference is "
                         "timed with the first only")
     p.add_argument("--no-xla", action="store_true", help="skip timing the XLA reference")
+    p.add_argument("--pools", default="bf16", help="bf16 and/or fp8 compressed entries")
     p.add_argument("--markdown", help="append the table to this file")
     a = p.parse_args(argv)
     configs = [parse_config(c) for c in a.config.split(",")]
@@ -124,13 +134,16 @@ def main(argv=None):
           f"jax {jax.__version__}, kernel config {a.config}", flush=True)
     rows, ablation_rows = [], []
     # Configs innermost: their rows for one shape are timed next to each other.
-    for name, t, (cname, config) in [(n, int(t), c) for n in a.shapes.split(",")
-                                     for t in a.tokens.split(",") for c in configs]:
+    for name, t, (cname, config), pool in [(n, int(t), c, pool) for n in a.shapes.split(",")
+                                           for t in a.tokens.split(",") for c in configs
+                                           for pool in a.pools.split(",")]:
         want = ((a.ablations == "all" or cname in a.ablations.split(","))
                 and (name, t) in (("pro", 64), ("flash", 128)))
         abl_names = [x for x in ABLATIONS if x] if want else []
         xla = not a.no_xla and config == configs[0][1]
-        row, abl = bench_one(name, t, abl_names, seed=t, config=config, xla=xla)
+        row, abl = bench_one(name, t, abl_names, seed=t, config=config, xla=xla,
+                             fp8=pool == "fp8")
+        cname = cname if pool == "bf16" else f"{cname}/{pool}"
         row["config"] = cname
         rows.append(row)
         print(f"{cname:5s} {name:5s} T={t:4d}: {row['us']:8.1f} us  xla {row['xla_us']:8.1f} us  "

@@ -41,7 +41,8 @@ for what in "$@"; do
     long) (cd benchmarks && timeout ${LONG_TIMEOUT:-540} python3 long_context.py \
              --out "$OUT/long_context.md" --chunk ${CHUNK:-4096} \
              --prefixes ${PREFIXES:-0,32768,131072} --prompt ${PROMPT:-0} \
-             ${DECODE_CTXS:+--decode-ctxs $DECODE_CTXS} --batches ${BATCHES:-1,8} --steps $steps 2>&1 \
+             ${DECODE_CTXS:+--decode-ctxs $DECODE_CTXS} --batches ${BATCHES:-1,8} --steps $steps \
+             ${KV_DTYPE:+--kv-dtype $KV_DTYPE} 2>&1 \
              | grep -v Warning | tee "$OUT/long_context.log" | tail -${TAIL:-40}) ;;
     tests)
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-300} \

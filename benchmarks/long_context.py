@@ -21,6 +21,8 @@ two CSA with the indexer, two HCA), weights in checkpoint precision generated on
 * Decode vs context (``--decode-ctxs``, ``--batches``): ``dj.generate``'s while loop on a
   cache holding ctx tokens per row (``step_figures.time_generate``): wall ms per step of the
   stack, and the ratio to the first ctx.
+
+``--kv-dtype fp8``: every cache above with the compressed entries as FP8 rows.
 """
 from __future__ import annotations
 
@@ -44,14 +46,15 @@ def device_peak() -> float:
     return gib((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0))
 
 
-def chunk_at_prefix(cfg, policy, params, chunk: int, prefix: int, runs: int) -> dict:
+def chunk_at_prefix(cfg, policy, params, chunk: int, prefix: int, runs: int,
+                    kv_dtype: str | None = None) -> dict:
     """One chunk into a cache holding ``prefix`` tokens: median seconds and memory."""
     step = make_step(cfg, policy)
     tokens = jax.random.randint(jax.random.key(1), (1, chunk), 2, cfg.vocab_size, jnp.int32)
     max_len = prefix + chunk
 
     def cache():
-        return figures.filled_cache(cfg, 1, prefix, max_len)
+        return figures.filled_cache(cfg, 1, prefix, max_len, kv_dtype)
 
     compiled = step.lower(params, tokens, cache()).compile()
     memory = compiled.memory_analysis()
@@ -95,7 +98,7 @@ def run_prefixes(args, cfg, policy, params, out):
     base, profiles = None, []
     for prefix in sorted(args.prefixes):
         r, (once, hlo_text) = chunk_at_prefix(cfg, policy, params, args.chunk, prefix,
-                                              args.runs)
+                                              args.runs, args.kv_dtype)
         if prefix in args.profile_prefixes:
             profiles.append(profile_chunk(f"{args.chunk}-token chunk at P = {prefix}", once,
                                           hlo_text))
@@ -114,7 +117,8 @@ def run_prompt(args, cfg, policy, params, out):
     model = dj.DSV4(cfg, implementation=policy)
     rng = np.random.default_rng(0)
     prompt = rng.integers(2, cfg.vocab_size, args.prompt).tolist()
-    opts = dj.GenerationOptions(max_new_tokens=4, stop_tokens=(), prefill_chunk=args.chunk)
+    opts = dj.GenerationOptions(max_new_tokens=4, stop_tokens=(), prefill_chunk=args.chunk,
+                                kv_dtype=args.kv_dtype)
     for _ in range(2):                                    # the first call compiles
         result = dj.generate(model, params, [prompt], options=opts)
     s = result.stats["prefill_s"]
@@ -133,7 +137,8 @@ def run_decode_ctxs(args, cfg, policy, params, out):
     for batch in args.batches:
         base = None
         for ctx in args.decode_ctxs:
-            per_token, _, _ = figures.time_generate(cfg, policy, params, batch, ctx, args.steps)
+            per_token, _, _ = figures.time_generate(cfg, policy, params, batch, ctx, args.steps,
+                                                    kv_dtype=args.kv_dtype)
             base = base or per_token
             print(f"decode batch {batch} ctx {ctx}: {per_token * 1e3:.3f} ms", flush=True)
             lines.append(f"| {batch} | {ctx} | {per_token * 1e3:.3f} | "
@@ -158,6 +163,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-ctxs", type=ints, default=[])
     p.add_argument("--batches", type=ints, default=[1, 8])
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
+                   help="the compressed entries as FP8 rows (Cache.init's kv_dtype)")
     p.add_argument("--tiny", action="store_true", help="Config.tiny, small sizes (CPU)")
     p.add_argument("--out", help="write the tables to this markdown file")
     args = p.parse_args(argv)

@@ -41,13 +41,14 @@ HBM_BYTES_PER_S = 4.3e12
 PROFILE_STEPS = 8
 
 
-def filled_cache(cfg, batch: int, ctx: int, max_len: int):
+def filled_cache(cfg, batch: int, ctx: int, max_len: int, kv_dtype: str | None = None):
     """A cache whose rows hold ``ctx`` tokens (lengths set; entries zero -- the same cost)."""
-    cache = dj.Cache.init(cfg, batch, max_len)
+    cache = dj.Cache.init(cfg, batch, max_len, kv_dtype=kv_dtype)
     return cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
 
 
-def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bool = False):
+def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bool = False,
+                  kv_dtype: str | None = None):
     """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache:
     ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text.
     ``speculative``: MTP drafting (``speculative_method``; its state comes from a one-token
@@ -60,7 +61,7 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
     key = jax.random.key(0)
 
     def args(params, budget):
-        cache = filled_cache(cfg, batch, ctx, ctx + 2 * steps + 8)
+        cache = filled_cache(cfg, batch, ctx, ctx + 2 * steps + 8, kv_dtype)
         budget = jnp.int32(budget)
         if not speculative:
             return (params, first, jnp.zeros((batch,), jnp.float32), first, cache, key, stop,
@@ -79,11 +80,11 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
 
 
 def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats: int = 3,
-                  speculative: bool = False):
+                  speculative: bool = False, kv_dtype: str | None = None):
     """Wall seconds per generated token of the generate loop (median over ``repeats`` of the
     two-budget difference; one token per step without speculation) and the compile +
     first-run seconds."""
-    run = generate_loop(cfg, policy, batch, ctx, steps, speculative)
+    run = generate_loop(cfg, policy, batch, ctx, steps, speculative, kv_dtype)
     short = max(2, steps // 4)
     t0 = time.perf_counter()
     out = jax.block_until_ready(run(params, steps))

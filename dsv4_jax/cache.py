@@ -8,7 +8,9 @@ Per layer (``LayerCache``):
   z_t + ape) by absolute position from ``m * (L//m - (coff-1))``: for CSA rows 0..3 hold the
   previous complete block, rows 4..7 the current one; unfilled rows are (0, -inf), which
   gives them zero weight (the "previous block" of block 0 starts that way);
-  ``compressed`` [B, max_len // m, D] emitted entries.
+  ``compressed`` [B, max_len // m, D] emitted entries -- or, with ``kv_dtype="fp8"``,
+  uint8 [B, max_len // m, 584]: each entry in the official FP8 layout (``kv_entry``),
+  which holds the same values as the BF16 entry under ``quant_simulation``.
 * CSA layers also: ``index_kv_state``/``index_score_state`` [B, 8, 2*Di] and
   ``index_keys`` [B, max_len // 4, Di] for the lightning indexer.
 
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import CSA_RATIO, Config, compressor_overlap
+from .kv_entry import check_kv_dtype, entry_bytes
 from .mesh_rules import cache_shardings
 
 __all__ = ["Cache", "LayerCache"]
@@ -66,13 +69,19 @@ def _empty_scores(shape, dtype):
     return jnp.full(shape, -jnp.inf, dtype)
 
 
-def init_layer_cache(cfg: Config, layer_id: int, batch: int, max_len: int, dtype) -> LayerCache:
+def init_layer_cache(cfg: Config, layer_id: int, batch: int, max_len: int, dtype,
+                     kv_dtype: str | None = None) -> LayerCache:
     ratio, kind = cfg.compress_ratios[layer_id], cfg.layer_kind(layer_id)
     window = _empty((batch, cfg.window_size, cfg.head_dim), dtype)
     if kind == "swa":
         return LayerCache(window=window)
     kv_state, score_state = _compressor_state(batch, ratio, cfg.head_dim)
-    compressed = _empty((batch, max_len // ratio, cfg.head_dim), dtype)
+    if kv_dtype == "fp8":
+        compressed = _empty((batch, max_len // ratio, entry_bytes(cfg.head_dim,
+                                                                  cfg.rope_head_dim)),
+                            jnp.uint8)
+    else:
+        compressed = _empty((batch, max_len // ratio, cfg.head_dim), dtype)
     if kind == "hca":
         return LayerCache(window, kv_state, score_state, compressed)
     ikv, isc = _compressor_state(batch, CSA_RATIO, cfg.index_head_dim)
@@ -89,23 +98,28 @@ class Cache:
     max_len: int = struct.field(pytree_node=False)
 
     @classmethod
-    def init(cls, cfg: Config, batch: int, max_len: int, dtype=None, *, mesh=None,
-             rules=None) -> "Cache":
+    def init(cls, cfg: Config, batch: int, max_len: int, dtype=None, *, kv_dtype=None,
+             mesh=None, rules=None) -> "Cache":
         """An empty cache for ``batch`` rows of up to ``max_len`` tokens.
 
-        ``dtype`` defaults to ``cfg.dtype``. With ``mesh`` the arrays are created directly
-        with the batch sharded over the mesh's data axis (see ``dsv4_jax.sharding``).
+        ``dtype`` defaults to ``cfg.dtype``. ``kv_dtype="fp8"`` stores the compressed entries
+        of CSA/HCA layers as 584-byte FP8 rows (the official layout, ``dsv4_jax.kv_entry``:
+        1.75x smaller than BF16; needs ``dtype`` bfloat16); the window rings stay in
+        ``dtype``. With ``mesh`` the arrays are created directly with the batch sharded over
+        the mesh's data axis (see ``dsv4_jax.sharding``).
         """
         if not isinstance(batch, int) or batch <= 0:
             raise ValueError(f"Cache.init: batch must be a positive int, got {batch!r}")
         if not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"Cache.init: max_len must be a positive int, got {max_len!r}")
         dtype = jnp.dtype(dtype or cfg.dtype)
+        kv_dtype = check_kv_dtype(kv_dtype, cfg.head_dim, cfg.rope_head_dim, dtype)
 
         def build():
-            layers = tuple(init_layer_cache(cfg, i, batch, max_len, dtype)
+            layers = tuple(init_layer_cache(cfg, i, batch, max_len, dtype, kv_dtype)
                            for i in range(cfg.n_layers))
-            mtp = tuple(init_layer_cache(cfg, cfg.n_layers + i, batch, max_len, dtype)
+            mtp = tuple(init_layer_cache(cfg, cfg.n_layers + i, batch, max_len, dtype,
+                                         kv_dtype)
                         for i in range(cfg.n_mtp_layers))
             # two separate arrays: one buffer twice in a pytree cannot be donated
             return cls(jnp.zeros((batch,), jnp.int32), layers, jnp.zeros((batch,), jnp.int32),
@@ -123,6 +137,12 @@ class Cache:
     @property
     def dtype(self):
         return self.layers[0].window.dtype if self.layers else jnp.dtype(jnp.bfloat16)
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """``"fp8"`` when the compressed entries are FP8 rows, else None (the cache dtype)."""
+        tables = [lc.compressed for lc in self.layers + self.mtp if lc.compressed is not None]
+        return "fp8" if tables and tables[0].dtype == jnp.uint8 else None
 
     def reset_rows(self, rows: jax.Array) -> "Cache":
         """Empty the rows where ``rows`` [B] bool is true (start new sequences in place)."""

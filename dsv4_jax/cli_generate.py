@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill call (a multiple of the compression "
                         "ratios; default: sized for the device); a progress bar shows on "
                         "stderr while a longer prompt is prefilled")
+    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
+                   help="fp8: the compressed cache entries as 584-byte FP8 rows (the official "
+                        "layout, 1.75x smaller; default: the model's dtype)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -76,7 +79,8 @@ def build_options(args):
     return GenerationOptions(max_new_tokens=args.max_new_tokens, sampler=build_sampler(args),
                              stop_tokens=args.stop, seed=args.seed, logprobs=args.logprobs,
                              max_len=args.max_len, speculative=args.speculative,
-                             prefill_chunk=args.prefill_chunk, prefill_progress=True)
+                             prefill_chunk=args.prefill_chunk, prefill_progress=True,
+                             kv_dtype=args.kv_dtype)
 
 
 def _read_text(flag: str, path: str) -> str:

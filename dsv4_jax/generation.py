@@ -107,6 +107,7 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
              chat: bool = False, tools: list | None = None, thinking: bool = False,
              drop_thinking: bool = True, reasoning_effort: str | None = None,
              prefill_chunk: int | None = None, prefill_progress: bool = False,
+             kv_dtype: str | None = None,
              options: GenerationOptions | None = None,
              chat_options: ChatOptions | None = None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per prompt (strings or token-id lists).
@@ -129,11 +130,13 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
     per call on a GPU shared by the rows, ``decoding.default_prefill_chunk``; a multiple of
     the compression ratios), so a prompt of any length up to ``max_len`` runs in the memory of
     one chunk; the tokens are those of a one-shot prefill. ``prefill_progress=True`` shows a
-    progress bar for long prompts.
+    progress bar for long prompts. ``kv_dtype="fp8"`` keeps the compressed cache entries as
+    FP8 rows (``Cache.init``): 1.75x less cache for long contexts, the same values under the
+    model's FP8 simulation (``Config.quant_simulation``, on by default).
 
     ``options``, a ``GenerationOptions``, holds ``max_new_tokens``, ``sampler``,
-    ``stop_tokens``, ``seed``, ``logprobs``, ``max_len``, ``speculative``, ``prefill_chunk``
-    and ``prefill_progress`` in one value;
+    ``stop_tokens``, ``seed``, ``logprobs``, ``max_len``, ``speculative``, ``prefill_chunk``,
+    ``prefill_progress`` and ``kv_dtype`` in one value;
     ``chat_options``, a ``ChatOptions`` (chat mode), holds ``tools``, ``thinking``,
     ``drop_thinking`` and ``reasoning_effort``. Such an argument set beside its value raises
     ValueError. Without ``options``, ``max_new_tokens`` is required.
@@ -141,7 +144,8 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
     options = call_options(options, max_new_tokens=max_new_tokens, sampler=sampler,
                            stop_tokens=stop_tokens, seed=seed, logprobs=logprobs,
                            max_len=max_len, speculative=speculative,
-                           prefill_chunk=prefill_chunk, prefill_progress=prefill_progress)
+                           prefill_chunk=prefill_chunk, prefill_progress=prefill_progress,
+                           kv_dtype=kv_dtype)
     chat_options = call_chat_options(chat_options, chat, tools=tools, thinking=thinking,
                                      drop_thinking=drop_thinking,
                                      reasoning_effort=reasoning_effort)
@@ -157,7 +161,8 @@ def _generate(model, params, prompts, options: GenerationOptions, *,
     stop = jnp.asarray(prep.stop_tokens)
     started = time.perf_counter()
     with count_compilations() as compiled:
-        cache = Cache.init(model.config, len(prep.lengths), prep.max_len)
+        cache = Cache.init(model.config, len(prep.lengths), prep.max_len,
+                           kv_dtype=options.kv_dtype)
         (first, first_lp, state, _, _, cache), t_prefill = timed(
             _prefill, programs, params, prep, cache, key, stop, options)
         (out, lps, state, cache), t_decode = timed(
@@ -179,6 +184,7 @@ def stream(model, params, prompts, max_new_tokens: int | None = None,
            chat: bool = False, tools: list | None = None, thinking: bool = False,
            drop_thinking: bool = True, reasoning_effort: str | None = None,
            prefill_chunk: int | None = None, prefill_progress: bool = False,
+             kv_dtype: str | None = None,
            options: GenerationOptions | None = None,
            chat_options: ChatOptions | None = None) -> Iterator[StreamEvent]:
     """Like ``generate`` (the same arguments) but yields a ``StreamEvent`` per new token
@@ -194,7 +200,8 @@ def stream(model, params, prompts, max_new_tokens: int | None = None,
     options = call_options(options, max_new_tokens=max_new_tokens, sampler=sampler,
                            stop_tokens=stop_tokens, seed=seed, logprobs=logprobs,
                            max_len=max_len, speculative=speculative,
-                           prefill_chunk=prefill_chunk, prefill_progress=prefill_progress)
+                           prefill_chunk=prefill_chunk, prefill_progress=prefill_progress,
+                           kv_dtype=kv_dtype)
     chat_options = call_chat_options(chat_options, chat, tools=tools, thinking=thinking,
                                      drop_thinking=drop_thinking,
                                      reasoning_effort=reasoning_effort)
@@ -210,7 +217,8 @@ def _stream(model, params, prompts, options: GenerationOptions, *,
     stop = jnp.asarray(prep.stop_tokens)
     budget = jnp.int32(prep.budget)
     text = _IncrementalText(prep.tokenizer, len(prep.lengths), set(prep.stop_tokens.tolist()))
-    cache = Cache.init(model.config, len(prep.lengths), prep.max_len)
+    cache = Cache.init(model.config, len(prep.lengths), prep.max_len,
+                           kv_dtype=options.kv_dtype)
     first, first_lp, state, count, done, cache = _prefill(programs, params, prep, cache, key,
                                                           stop, options)
     tokens, lps, now_done = np.asarray(first)[:, None], np.asarray(first_lp)[:, None], done

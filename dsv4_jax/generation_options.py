@@ -28,6 +28,9 @@ __all__ = ["GenerationOptions", "ChatOptions", "call_options", "call_chat_option
            "CALL_DEFAULTS", "CHAT_CALL_DEFAULTS"]
 
 _SEED_RANGE = (-2 ** 63, 2 ** 63)           # what jax.random.key accepts (a C long)
+# Cache.init's kv_dtype values (dsv4_jax.kv_entry.KV_DTYPES; a test keeps them equal): not
+# imported from there, so that the command line parses its flags without importing JAX.
+KV_DTYPES = (None, "fp8")
 
 
 def _is_int(value) -> bool:
@@ -53,7 +56,9 @@ class GenerationOptions:
     4096 tokens per call on a GPU shared by the rows; it must be a multiple of the model's
     compression ratios, checked at the call), so memory and compiled programs do not grow
     with the prompt. ``prefill_progress``: show a progress
-    bar (stderr) while a prompt longer than one chunk is prefilled.
+    bar (stderr) while a prompt longer than one chunk is prefilled. ``kv_dtype``: ``"fp8"``
+    keeps the compressed cache entries as 584-byte FP8 rows (``Cache.init``; 1.75x smaller,
+    the same values under the model's FP8 simulation), None in the model's dtype.
 
     Raises ValueError / TypeError naming the field and the bad value. Whether stop tokens are
     in the vocabulary, and whether the model has an MTP block, is checked at the call, where
@@ -68,6 +73,7 @@ class GenerationOptions:
     speculative: bool = False
     prefill_chunk: int | None = None
     prefill_progress: bool = False
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         n = self.max_new_tokens
@@ -102,6 +108,9 @@ class GenerationOptions:
             object.__setattr__(self, "prefill_chunk", int(c))
         object.__setattr__(self, "prefill_progress",
                            _check_bool("prefill_progress", self.prefill_progress))
+        if not (self.kv_dtype is None or (isinstance(self.kv_dtype, str)
+                                          and self.kv_dtype in KV_DTYPES)):
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -125,11 +125,12 @@ def check_fits(cfg: Config, mesh: Mesh, *, reserve: float = 0.1, abstract=None) 
     return need
 
 
-def cache_bytes_per_device(cfg: Config, mesh: Mesh, batch: int, max_len: int) -> int:
-    """Per-device bytes of ``Cache.init(cfg, batch, max_len, mesh=mesh)`` (nothing allocated);
-    ``ValueError`` when the batch does not split over the mesh."""
+def cache_bytes_per_device(cfg: Config, mesh: Mesh, batch: int, max_len: int,
+                           kv_dtype: str | None = None) -> int:
+    """Per-device bytes of ``Cache.init(cfg, batch, max_len, kv_dtype=kv_dtype, mesh=mesh)``
+    (nothing allocated); ``ValueError`` when the batch does not split over the mesh."""
     check_batch(batch, mesh)
-    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, max_len))
+    cache = jax.eval_shape(lambda: Cache.init(cfg, batch, max_len, kv_dtype=kv_dtype))
     return per_device_bytes(cache, cache_shardings(cache, mesh))
 
 
@@ -259,14 +260,15 @@ def _sizes_mesh(data: int, expert: int) -> AbstractMesh:
 
 def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
                  prefill_chunk: int = 4096, max_len: int | None = None,
-                 abstract=None) -> list[dict]:
+                 abstract=None, kv_dtype: str | None = None) -> list[dict]:
     """Per-device GiB with experts split over all devices (data = 1, expert = n), one row per
     device count, from the functions above (no devices needed):
 
     * ``params_gib``: ``param_bytes_per_device``;
     * ``cache_gib_per_1k_tokens_per_seq`` and ``cache_fixed_gib_per_seq``: one sequence's
       ``cache_bytes_per_device`` grows linearly with max_len (compressed entries, indexer
-      keys) on top of a fixed part (windows, compressor tails);
+      keys) on top of a fixed part (windows, compressor tails); ``kv_dtype="fp8"``: the
+      compressed entries as FP8 rows (``Cache.init``);
     * ``activations_gib``: ``step_activation_estimate`` total, XLA MoE path, of a prefill
       chunk of ``batch`` rows x ``prefill_chunk`` tokens with a cache of ``max_len`` tokens
       (default: the chunk). The batch splits over every device, so a smaller one runs padded
@@ -275,9 +277,9 @@ def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
     abstract = abstract if abstract is not None else abstract_params(cfg)
     max_len = max_len if max_len is not None else prefill_chunk
     one = _sizes_mesh(1, 1)
-    per_1k = (cache_bytes_per_device(cfg, one, 1, 2048)
-              - cache_bytes_per_device(cfg, one, 1, 1024))
-    fixed_cache = cache_bytes_per_device(cfg, one, 1, 1024) - per_1k
+    per_1k = (cache_bytes_per_device(cfg, one, 1, 2048, kv_dtype)
+              - cache_bytes_per_device(cfg, one, 1, 1024, kv_dtype))
+    fixed_cache = cache_bytes_per_device(cfg, one, 1, 1024, kv_dtype) - per_1k
     rows = []
     for n in n_devices:
         mesh = _sizes_mesh(1, n)

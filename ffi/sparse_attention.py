@@ -13,7 +13,9 @@ Contract::
     q:         [T, H, D]  query tokens (T = batch x step), D = 512 for DSV4
     kv:        [N, D]     flat pool of window entries (all rows' rings + new entries)
     idx:       [T, K]     int32 global rows of ``kv``; -1 = unused slot
-    extra_kv:  [M, D]     optional second pool (compressed entries of CSA/HCA layers)
+    extra_kv:  [M, D]     optional second pool (compressed entries of CSA/HCA layers), in
+                          q's dtype or uint8 [M, W]: FP8 entry rows (``dsv4_jax.kv_entry``,
+                          W = 584 for D = 512), decoded where they are read
     extra_idx: [T, K2]    int32 rows of ``extra_kv``; -1 = unused slot
     sink:      [H]        f32 per-head sink logit, in the denominator only
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax import kv_entry
 from dsv4_jax.kernels.sparse_attention_config import (DEFAULT_CONFIG,
                                                       SparseAttentionSm90Config,
                                                       choose_num_splits)
@@ -78,12 +81,18 @@ def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None)
     if (extra_kv is None) != (extra_idx is None):
         raise ValueError("sparse_attention: extra_kv and extra_idx must be given together")
     if extra_kv is not None:
-        if extra_kv.ndim != 2 or extra_kv.shape[1] != d:
-            raise ValueError(f"sparse_attention: extra_kv must be [M, {d}]; "
-                             f"{_describe('extra_kv', extra_kv)}")
-        if extra_kv.dtype != q.dtype:
-            raise TypeError(f"sparse_attention: extra_kv dtype must equal q dtype; "
-                            f"{_describe('extra_kv', extra_kv)}, {_describe('q', q)}")
+        if kv_entry.is_fp8_table(extra_kv):
+            if extra_kv.ndim != 2 or kv_entry.rope_dim_of(extra_kv.shape[1], d) is None:
+                raise ValueError(f"sparse_attention: uint8 extra_kv must be [M, W] FP8 entry "
+                                 f"rows of head_dim {d} (W = 584 for 512); "
+                                 f"{_describe('extra_kv', extra_kv)}")
+        elif extra_kv.ndim != 2 or extra_kv.shape[1] != d:
+            raise ValueError(f"sparse_attention: extra_kv must be [M, {d}] (or uint8 FP8 "
+                             f"entry rows); {_describe('extra_kv', extra_kv)}")
+        elif extra_kv.dtype != q.dtype:
+            raise TypeError(f"sparse_attention: extra_kv dtype must equal q dtype (or be uint8 "
+                            f"FP8 entry rows); {_describe('extra_kv', extra_kv)}, "
+                            f"{_describe('q', q)}")
         if extra_idx.ndim != 2 or extra_idx.shape[0] != t:
             raise ValueError(f"sparse_attention: extra_idx must be [T={t}, K2]; "
                              f"{_describe('extra_idx', extra_idx)}")
@@ -92,12 +101,22 @@ def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None)
                             f"{_describe('extra_idx', extra_idx)}")
 
 
-def _attend_chunk(q, kv, idx, sink, scale):
-    """Reference attention for a chunk of tokens: q [t,H,D], idx [t,K] global rows of kv."""
-    n = kv.shape[0]
-    valid = (idx >= 0) & (idx < n)                                   # [t, K]
-    rows = jnp.where(valid, idx, 0)
-    keys = kv[rows]                                                  # [t, K, D]
+def _gather(pool, idx, head_dim, dtype):
+    """Rows ``idx`` [t, K] of ``pool`` ([t, K, D] keys, FP8 entry rows decoded) and which
+    slots are used; an unused slot reads row 0 (masked by the caller)."""
+    valid = (idx >= 0) & (idx < pool.shape[0])
+    keys = pool[jnp.where(valid, idx, 0)]
+    if kv_entry.is_fp8_table(pool):
+        keys = kv_entry.decode(keys, head_dim, dtype)
+    return keys, valid
+
+
+def _attend_chunk(q, pools, sink, scale):
+    """Reference attention for a chunk of tokens: q [t,H,D]; ``pools`` a list of (pool, idx
+    [t,K_i] rows of pool): one softmax over the concatenated slots."""
+    gathered = [_gather(pool, idx, q.shape[-1], q.dtype) for pool, idx in pools]
+    keys = jnp.concatenate([k for k, _ in gathered], axis=1)         # [t, K, D]
+    valid = jnp.concatenate([v for _, v in gathered], axis=1)        # [t, K]
     logits = jnp.einsum("thd,tkd->thk", q, keys,
                         preferred_element_type=jnp.float32) * jnp.float32(scale)
     logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
@@ -116,27 +135,25 @@ def _attend_chunk(q, kv, idx, sink, scale):
 
 
 def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale):
-    """Pure-JAX definition of the op (runs anywhere). Same contract as ``sparse_attention``."""
+    """Pure-JAX definition of the op (runs anywhere). Same contract as ``sparse_attention``.
+    Only the rows a token selects are gathered (and, for FP8 entry rows, decoded)."""
     check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx)
-    if extra_kv is not None:
-        # One softmax over both pools: concatenate them and shift the second pool's indices.
-        # Out-of-range entries of either list must stay unused after the shift.
-        n = kv.shape[0]
-        extra_ok = (extra_idx >= 0) & (extra_idx < extra_kv.shape[0])
-        idx_ok = (idx >= 0) & (idx < n)
-        idx = jnp.concatenate([jnp.where(idx_ok, idx, -1),
-                               jnp.where(extra_ok, extra_idx + n, -1)], axis=1)
-        kv = jnp.concatenate([kv, extra_kv], axis=0)
+    pools = [kv] if extra_kv is None else [kv, extra_kv]
+    indices = [idx] if extra_kv is None else [idx, extra_idx]
+
+    def attend(q_chunk, idx_chunks):
+        return _attend_chunk(q_chunk, list(zip(pools, idx_chunks)), sink, scale)
+
     t = q.shape[0]
     if t <= _REFERENCE_TOKEN_CHUNK:
-        return _attend_chunk(q, kv, idx, sink, scale)
+        return attend(q, indices)
     # Long prefill: bound the gathered [chunk, K, D] block by mapping over token chunks.
     c = _REFERENCE_TOKEN_CHUNK
     pad = (-t) % c
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
-    ip = jnp.pad(idx, ((0, pad), (0, 0)), constant_values=-1)
-    o, lse = jax.lax.map(lambda a: _attend_chunk(a[0], kv, a[1], sink, scale),
-                         (qp.reshape(-1, c, *q.shape[1:]), ip.reshape(-1, c, idx.shape[1])))
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, c, *q.shape[1:])
+    ip = [jnp.pad(i, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, c, i.shape[1])
+          for i in indices]
+    o, lse = jax.lax.map(lambda a: attend(a[0], a[1]), (qp, ip))
     return o.reshape(-1, *q.shape[1:])[:t], lse.reshape(-1, q.shape[1])[:t]
 
 
@@ -151,7 +168,8 @@ def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
         dtype=jnp.dtype(q.dtype).name, head_dim=q.shape[-1], num_heads=q.shape[1],
         num_tokens=q.shape[0], window_slots=idx.shape[1], pool_rows=kv.shape[0],
         extra_slots=0 if extra_idx is None else extra_idx.shape[1],
-        extra_rows=1 if extra_kv is None else extra_kv.shape[0])
+        extra_rows=1 if extra_kv is None else extra_kv.shape[0],
+        extra_entry_bytes=(extra_kv.shape[1] if kv_entry.is_fp8_table(extra_kv) else None))
 
 
 def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
@@ -185,7 +203,7 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
                   jax.ShapeDtypeStruct(part_o, jnp.float32),
                   jax.ShapeDtypeStruct(part_lse, jnp.float32))
     static = dict(num_heads=h, softmax_scale=float(scale), num_splits=splits,
-                  has_extra=has_extra, block_n=launch.block_n, num_stages=launch.num_stages,
+                  has_extra=has_extra, extra_fp8=kv_entry.is_fp8_table(extra_kv), block_n=launch.block_n, num_stages=launch.num_stages,
                   qk_split=launch.qk_split, ablation=launch.ablation)
     inputs = (q, kv, idx, extra_kv, extra_idx, sink.astype(jnp.float32))
     if launch.poison is None:

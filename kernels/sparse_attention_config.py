@@ -14,6 +14,13 @@ HEAD_BLOCK = 64          # heads per CTA = WGMMA M
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 NUM_SMS = 132            # H100 SXM and H200 both have 132 SMs
 MAX_GRID_Z = 65535       # tokens run along the grid's z dimension
+# The FP8 entry rows the kernel reads as its second pool (``dsv4_jax.kv_entry``; a test
+# checks these against it): e4m3 codes of the 448 no-RoPE dims, the 64 RoPE dims in BF16,
+# one E8M0 scale byte per 64 codes, padding to 584 bytes.
+FP8_NOPE_DIM = 448
+FP8_ROPE_OFFSET = 448
+FP8_SCALE_OFFSET = 576
+FP8_ENTRY_BYTES = 584
 # Benchmark-only variants that leave one stage out, to see where the time goes; their
 # outputs are wrong by design.
 ABLATIONS = ("", "no_gather", "no_qk", "no_softmax", "no_pv")
@@ -63,14 +70,19 @@ class SparseAttentionSm90Config:
         return dataclasses.replace(self, qk_split=split)
 
     def smem_bytes(self) -> int:
-        """Shared memory of one CTA: Q, the stages, the score exchange, barriers and validity."""
+        """Shared memory of one CTA: Q, the stages, the score exchange, barriers, validity
+        and the FP8 rows' scale words (allocated whether the pool is FP8 or not)."""
         exchange = 2 * HEAD_BLOCK * self.block_n * 4 if self.resolve().qk_split else 0
-        return (HEAD_BLOCK + self.block_n * self.num_stages) * HEAD_DIM * 2 + exchange + 1024
+        scales = self.block_n * self.num_stages * 8
+        return ((HEAD_BLOCK + self.block_n * self.num_stages) * HEAD_DIM * 2 + exchange
+                + scales + 1024)
 
     def is_supported(self, *, dtype: str, head_dim: int, num_heads: int, num_tokens: int,
                      window_slots: int, pool_rows: int, extra_slots: int = 0,
-                     extra_rows: int = 1) -> tuple[bool, str]:
-        """Whether the kernel handles these shapes: ``(True, "")`` or ``(False, reason)``."""
+                     extra_rows: int = 1,
+                     extra_entry_bytes: int | None = None) -> tuple[bool, str]:
+        """Whether the kernel handles these shapes: ``(True, "")`` or ``(False, reason)``.
+        ``extra_entry_bytes``: the row width of an FP8 second pool (None: same dtype as q)."""
         if dtype != "bfloat16":
             return False, f"dtype {dtype} (the kernel is bf16 only)"
         if head_dim != HEAD_DIM:
@@ -83,6 +95,9 @@ class SparseAttentionSm90Config:
             return False, f"T={num_tokens} (the kernel's grid takes at most {MAX_GRID_Z} tokens)"
         if pool_rows < 1 or (extra_slots > 0 and extra_rows < 1):
             return False, "an empty kv pool (the kernel needs at least one row per pool)"
+        if extra_entry_bytes is not None and extra_entry_bytes != FP8_ENTRY_BYTES:
+            return False, (f"FP8 entry rows of {extra_entry_bytes} bytes (the kernel reads "
+                           f"{FP8_ENTRY_BYTES})")
         return True, ""
 
 

@@ -13,6 +13,10 @@ Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups WG1, WG2
    unused slot fetches row 0 of ``kv`` and is masked through a per-stage validity vector.
    ``num_stages`` tiles form an mbarrier pipeline (full: the copies of a block landed;
    empty: both math warpgroups are done with it). Indices are read one block ahead.
+   With ``extra_fp8`` the second pool holds 584-byte FP8 entry rows (``dsv4_jax.kv_entry``):
+   their bytes are copied into the same tile and widened to BF16 in place by the producer
+   before the block is committed, one block behind its copies (``Fp8EntryGather``), so the
+   math warpgroups see exactly the BF16 rows the rows encode.
 2. S = Q K^T (WGMMA m64 x block_n, A = Q and B = entries from smem), in one of two ways:
    * split (``qk_split``; the default without flash-decoding splits): math warpgroup w
      multiplies head_dim slice [256w, 256w + 256) only, stores its fp32 partial block in smem
@@ -38,7 +42,8 @@ Constraints:
 * sm_90a (WGMMA, setmaxnreg, cp.async); bf16 only; head_dim == 512.
 * num_heads a multiple of 64 (64 heads per CTA; H=128 runs two CTAs per token, which read the
   same entries, the second mostly from L2).
-* K >= 1 window slots; K2 >= 0 extra slots; pools of at least one row each; int32 indices.
+* K >= 1 window slots; K2 >= 0 extra slots; pools of at least one row each; int32 indices;
+  an FP8 second pool is uint8 [M, 584] (448 e4m3 codes, 64 BF16 RoPE dims, 7 E8M0 scales).
 * (block_n, num_stages, qk_split) in ``sparse_attention_config.CONFIGS``: the stages, Q and
   (split) the 2 x 64 x block_n fp32 score exchange fit in 227 KB of smem; split QK^T needs
   head_dim / 16 even.
@@ -56,8 +61,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import copy16, cp_async_arrive, half_warp_rows, row_copy_atom
 from .sparse_attention_sm90_combine import SplitCombine
-from .sparse_attention_config import (DEFAULT_CONFIG, HEAD_BLOCK, HEAD_DIM, SMEM_BYTES,
-                                    SparseAttentionSm90Config)
+from .sparse_attention_sm90_fp8 import Fp8EntryGather
+from .sparse_attention_config import (DEFAULT_CONFIG, FP8_ENTRY_BYTES, HEAD_BLOCK, HEAD_DIM,
+                                    SMEM_BYTES, SparseAttentionSm90Config)
 
 NUM_THREADS = 384               # producer warpgroup + two math warpgroups
 PRODUCER_REGS, MATH_REGS = 72, 216
@@ -70,16 +76,17 @@ JOIN_BARRIER = 3                # both math warpgroups done with the stages
 STORE_BARRIER = 4               # 4 and 5: a math warpgroup's output tile is staged
 FULL_BARRIER = 6                # split QK^T: both partial score blocks are in smem
 EMPTY_BARRIER = 7               # 7 and 8: warpgroup w's exchange buffer was read
+# named barrier 9: the producer's FP8 copies of a block landed (sparse_attention_sm90_fp8)
 LOG2_E = 1.4426950408889634
 LN_2 = 0.6931471805599453
 
 
-class SparseAttentionSm90(SplitCombine):
+class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, num_heads: int, softmax_scale: float, num_splits: int = 1,
                  has_extra: bool = True, ablation: str = "", block_n: int = 64,
-                 num_stages: int = 2, qk_split: bool = False):
+                 num_stages: int = 2, qk_split: bool = False, extra_fp8: bool = False):
         # raises ValueError for a configuration (or ablation) the kernel does not offer
         config = SparseAttentionSm90Config(block_n, num_stages, qk_split, ablation)
         assert config.smem_bytes() <= SMEM_BYTES
@@ -90,6 +97,7 @@ class SparseAttentionSm90(SplitCombine):
         self.scale_log2 = float(softmax_scale) * LOG2_E
         self.num_splits = num_splits
         self.has_extra = has_extra
+        self.extra_fp8 = extra_fp8 and has_extra
         self.block_n = block_n
         self.num_stages = num_stages
         self.dtype = cutlass.BFloat16
@@ -124,6 +132,7 @@ class SparseAttentionSm90(SplitCombine):
         class SharedStorage:
             mbar: cute.struct.MemRange[Int64, 2 * stages]
             sValid: cute.struct.MemRange[Int32, bn * stages]
+            sScale: cute.struct.MemRange[Int64, bn * stages]     # FP8 rows' scale words
             sQ: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sKV: cute.struct.Align[
@@ -180,7 +189,8 @@ class SparseAttentionSm90(SplitCombine):
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             self.produce(mQ, mKV, mIdx, mXKV, mXIdx, t, hb, blk_begin, n_local, num_window,
-                         num_extra, sQ, sK, sValid, kv_pipe, tidx)
+                         num_extra, sQ, sK, sValid, kv_pipe, tidx,
+                         storage.sKV.data_ptr().toint(), storage.sScale.data_ptr().toint())
         else:
             cute.arch.setmaxregister_increase(MATH_REGS)
             self.consume(mSink, mO, mLse, mOPart, mLsePart, t, hb, split, n_local, wg - 1,
@@ -192,8 +202,9 @@ class SparseAttentionSm90(SplitCombine):
                 mXKV: cute.Tensor, mXIdx: cute.Tensor, t: Int32, hb: Int32, blk_begin: Int32,
                 n_local: Int32, num_window: Int32, num_extra: Int32, sQ: cute.Tensor,
                 sK: cute.Tensor, sValid: cute.Tensor, kv_pipe: pipeline.PipelineAsync,
-                tidx: Int32):
-        """WG0: gather Q and the entry blocks with cp.async into the pipeline stages."""
+                tidx: Int32, tile: Int32, scales: Int32):
+        """WG0: gather Q and the entry blocks with cp.async into the pipeline stages (FP8
+        rows of the second pool: copied, then widened in place; ``Fp8EntryGather``)."""
         bn = self.block_n
         atom_cp = row_copy_atom(self.dtype)
         # A warp instruction covers two 256 B row segments; thread (warp w, lane l) copies
@@ -217,6 +228,13 @@ class SparseAttentionSm90(SplitCombine):
         self.read_indices(mIdx, mXIdx, t, blk_begin, num_window, num_extra, row0, rIdx, rXIdx)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.num_stages)
+        # FP8 pool: a block is committed one iteration late, once its copies landed and its
+        # code chunks were widened (``done``: the oldest uncommitted block; ``pending``: its
+        # FP8 rows, bit i for this thread's row row0 + 8 i), so that the next block's copies
+        # are in flight meanwhile.
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                            self.num_stages)
+        pending = Int32(0)
         kv_base = mKV.iterator.toint()
         for j in cutlass.range(n_local, unroll=1):
             kv_pipe.producer_acquire(state)
@@ -225,35 +243,69 @@ class SparseAttentionSm90(SplitCombine):
             issue = True
             if const_expr(self.ablation == "no_gather"):
                 issue = j < self.num_stages
+            fp8_rows = Int32(0)
             for i in cutlass.range_constexpr(bn // 8):
                 row = row0 + 8 * i
                 pos = blk * bn + row
                 g = rIdx[i]
                 valid = pos < num_window and g >= 0 and g < mKV.shape[0]
                 addr = kv_base + (g.to(Int64) * (HEAD_DIM * 2) if valid else Int64(0))
+                xvalid = False
                 if const_expr(self.has_extra):
                     gx = rXIdx[i]
-                    xvalid = (pos >= num_window and pos < num_window + num_extra and gx >= 0
-                              and gx < mXKV.shape[0])
-                    if xvalid:
-                        addr = mXKV.iterator.toint() + gx.to(Int64) * (HEAD_DIM * 2)
+                    xvalid = self.extra_valid(pos, gx, num_window, num_extra, mXKV)
+                    if const_expr(not self.extra_fp8):
+                        if xvalid:
+                            addr = mXKV.iterator.toint() + gx.to(Int64) * (HEAD_DIM * 2)
                     valid = valid or xvalid
                 if chunk0 == 0:
                     sValid[row, stage] = Int32(1) if valid else Int32(0)
-                if issue:
-                    for c in cutlass.range_constexpr(4):
-                        chunk = chunk0 + 16 * c
-                        copy16(atom_cp, self.dtype, addr + (chunk * 16).to(Int64),
-                               sK_vec[None, row, chunk, stage])
-            # The barrier phase completes once every producer thread's copies landed and its
-            # validity stores are released.
-            cp_async_arrive(kv_pipe.producer_get_barrier(state))
-            kv_pipe.producer_commit(state)
+                if const_expr(self.extra_fp8):
+                    if xvalid:
+                        fp8_rows = fp8_rows | (1 << i)
+                        if issue:
+                            self.issue_fp8_row(
+                                mXKV.iterator.toint() + gx.to(Int64) * FP8_ENTRY_BYTES,
+                                tile, scales, stage, row, chunk0)
+                    elif issue:
+                        self.copy_row(atom_cp, addr, sK_vec, row, chunk0, stage)
+                elif issue:
+                    self.copy_row(atom_cp, addr, sK_vec, row, chunk0, stage)
+            if const_expr(self.extra_fp8):
+                cute.arch.cp_async_commit_group()
+                if j > 0:
+                    self.finish_fp8_block(kv_pipe, done, pending, tile, scales, row0, chunk0, 1)
+                    done.advance()
+                pending = fp8_rows
+            else:
+                # The barrier phase completes once every producer thread's copies landed and
+                # its validity stores are released.
+                cp_async_arrive(kv_pipe.producer_get_barrier(state))
+                kv_pipe.producer_commit(state)
             state.advance()
             self.read_indices(mIdx, mXIdx, t, blk + 1, num_window, num_extra, row0,
                               rIdx, rXIdx)
+        if const_expr(self.extra_fp8):
+            if n_local > 0:
+                self.finish_fp8_block(kv_pipe, done, pending, tile, scales, row0, chunk0, 0)
         # Q rides with block 0; without blocks the copies must still land before exit.
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def copy_row(self, atom_cp: cute.CopyAtom, addr: Int64, sK_vec: cute.Tensor, row: Int32,
+                 chunk0: Int32, stage: Int32):
+        """cp.async this thread's four 16 B chunks of the BF16 row at ``addr``."""
+        for c in cutlass.range_constexpr(4):
+            chunk = chunk0 + 16 * c
+            copy16(atom_cp, self.dtype, addr + (chunk * 16).to(Int64),
+                   sK_vec[None, row, chunk, stage])
+
+    @cute.jit
+    def extra_valid(self, pos: Int32, gx: Int32, num_window: Int32, num_extra: Int32,
+                    mXKV: cute.Tensor):
+        """Whether list position ``pos`` is a used slot of the second pool (row ``gx``)."""
+        return (pos >= num_window and pos < num_window + num_extra and gx >= 0
+                and gx < mXKV.shape[0])
 
     @cute.jit
     def read_indices(self, mIdx: cute.Tensor, mXIdx: cute.Tensor, t: Int32, blk: Int32,
@@ -541,11 +593,12 @@ def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Te
                               block_n: cutlass.Constexpr = DEFAULT_CONFIG.block_n,
                               num_stages: cutlass.Constexpr = DEFAULT_CONFIG.num_stages,
                               qk_split: cutlass.Constexpr = False,
-                              ablation: cutlass.Constexpr = ""):
+                              ablation: cutlass.Constexpr = "",
+                              extra_fp8: cutlass.Constexpr = False):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
     SparseAttentionSm90(num_heads, softmax_scale, num_splits, has_extra, ablation, block_n,
-                        num_stages, qk_split)(q, kv, idx, extra_kv, extra_idx, sink, o, lse,
-                                              o_part, lse_part, stream)
+                        num_stages, qk_split, extra_fp8)(q, kv, idx, extra_kv, extra_idx, sink,
+                                                         o, lse, o_part, lse_part, stream)
 
 
 __all__ = ["SparseAttentionSm90", "sparse_attention_launcher"]

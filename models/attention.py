@@ -30,7 +30,7 @@ from dsv4_jax.config import Config
 from dsv4_jax.cache import LayerCache
 from dsv4_jax.ffi import sparse_attention
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
-from dsv4_jax import quant
+from dsv4_jax import kv_entry, quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_codes_init, fp8_linear_pair,
@@ -53,7 +53,8 @@ def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementatio
     """The sparse attention of a batch of rows, per-row indices made global for the op.
 
     q [B,S,H,c]; pool [B,W+S,c] window pool; win_idx [B,S,W] into the row's pool; table
-    [B,N,c] compressed entries (or None); selected [B,S,K2] entry ids (-1 unused) -> o [B,S,H,c].
+    [B,N,c] compressed entries, [B,N,584] uint8 FP8 rows (the op decodes the rows it reads)
+    or None; selected [B,S,K2] entry ids (-1 unused) -> o [B,S,H,c].
     """
     b, s, h, c = q.shape
     offset = jnp.arange(b, dtype=jnp.int32)[:, None, None] * pool.shape[1]
@@ -63,7 +64,9 @@ def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementatio
         n = table.shape[1]
         row = jnp.arange(b, dtype=jnp.int32)[:, None, None] * n
         extra_idx = jnp.where(selected >= 0, selected + row, -1).reshape(b * s, -1)
-        extra_kv = table.reshape(b * n, c).astype(q.dtype)
+        extra_kv = table.reshape(b * n, table.shape[-1])
+        if not kv_entry.is_fp8_table(table):
+            extra_kv = extra_kv.astype(q.dtype)
     o, _ = sparse_attention(q.reshape(b * s, h, c), pool.reshape(-1, c).astype(q.dtype), win,
                             sink, extra_kv=extra_kv, extra_idx=extra_idx, scale=scale,
                             implementation=implementation)

@@ -17,7 +17,7 @@ import flax.linen as nn
 from flax import struct
 
 from dsv4_jax.config import CSA_RATIO, Config, compressor_overlap
-from dsv4_jax import quant
+from dsv4_jax import kv_entry, quant
 from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_linear, normal_init,
@@ -35,7 +35,11 @@ def _take_rows(buf: jax.Array, start: jax.Array, size: int) -> jax.Array:
 
 
 def write_entries(table: jax.Array, entries: jax.Array, ids: jax.Array) -> jax.Array:
-    """``table[b, ids[b, q]] = entries[b, q]`` where ``ids >= 0`` (other entries dropped)."""
+    """``table[b, ids[b, q]] = entries[b, q]`` where ``ids >= 0`` (other entries dropped);
+    a table of FP8 rows (``kv_entry``) gets the entries encoded."""
+    if kv_entry.is_fp8_table(table):
+        entries = kv_entry.encode(entries, kv_entry.rope_dim_of(table.shape[-1],
+                                                                entries.shape[-1]))
     n = table.shape[1]
     safe = jnp.where(ids >= 0, ids, n)        # n is out of range -> dropped, never wrapped
     b = jnp.arange(table.shape[0])[:, None]

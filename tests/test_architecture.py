@@ -19,7 +19,7 @@ FOLDERS = {"dsv4_jax": "dsv4_jax", "ffi": "dsv4_jax.ffi", "kernels": "dsv4_jax.k
 # Lowest first. A name ending in "." is a prefix (a whole subpackage); otherwise exact.
 LAYERS = (
     ("config", ("dsv4_jax._xla_flags", "dsv4_jax.config", "dsv4_jax.quant",
-                "dsv4_jax.mesh_rules", "dsv4_jax.cache")),
+                "dsv4_jax.kv_entry", "dsv4_jax.mesh_rules", "dsv4_jax.cache")),
     ("ops", ("dsv4_jax.kernels", "dsv4_jax.kernels.", "dsv4_jax.ffi", "dsv4_jax.ffi.")),
     ("models", ("dsv4_jax.models", "dsv4_jax.models.")),
     ("parameters", ("dsv4_jax.params", "dsv4_jax.sharding", "dsv4_jax.plan")),

@@ -22,19 +22,20 @@ S = jax.ShapeDtypeStruct
 CUSTOM_CALL = "CuteDSLRT_NvJaxCutlassCall_v2"
 
 
-def _compile(t, h, k, k2, n, m, splits, config):
+def _compile(t, h, k, k2, n, m, splits, config, extra_fp8=False):
     def fake(dtype, shape):
         return make_fake_compact_tensor(dtype, shape, assumed_align=16)
     bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+    extra = fake(cutlass.Uint8, (m, 584)) if extra_fp8 else fake(bf16, (m, 512))
     tensors = [fake(bf16, (t, h, 512)), fake(bf16, (n, 512)), fake(i32, (t, k)),
-               fake(bf16, (m, 512)), fake(i32, (t, k2)), fake(f32, (h,)),
+               extra, fake(i32, (t, k2)), fake(f32, (h,)),
                fake(bf16, (t, h, 512)), fake(f32, (t, h)),
                fake(f32, (splits, t, h, 512) if splits > 1 else (1,)),
                fake(f32, (splits, t, h) if splits > 1 else (1,))]
     return cute.compile(kernel.sparse_attention_launcher, make_fake_stream(), *tensors,
                         num_heads=h, softmax_scale=SCALE, num_splits=splits, has_extra=True,
                         block_n=config.block_n, num_stages=config.num_stages,
-                        qk_split=config.qk_split)
+                        qk_split=config.qk_split, extra_fp8=extra_fp8)
 
 
 VARIANTS = {"single": (1, Config(64, 2, False)), "split": (6, Config(48, 3, False)),
@@ -65,6 +66,21 @@ def test_compiles_for_sm90a_with_wgmma(compiled, variant):
     # The split exchanges fp32 scores in 16 B vectors.
     assert (len(re.findall(r"st\.shared\.v4\.b32", ptx)) >= 8) == qk_split
     assert compiled[variant].dump_to_object("sparse_attention")[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("splits, config", [(1, Config(64, 2, True)), (6, Config(48, 3, False))])
+def test_fp8_second_pool_compiles_to_copies_and_in_place_widening(splits, config):
+    """FP8 entry rows: 8-byte cp.async copies (rows are 8-byte aligned); each block widened
+    one block behind its copies (wait for all but the newest group, in the loop; for none,
+    after it), each site with a producer barrier and the e4m3 -> f16 conversions of every
+    code chunk a thread owns (block_n / 8 rows x 4 chunks x 4 conversions of 2 codes)."""
+    ptx = _compile(2, 64, 128, 512, 1000, 3000, splits, config, extra_fp8=True).artifacts.PTX
+    assert len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)) == 2 * config.block_n // 8 * 16
+    assert re.search(r"cp\.async\.ca\.shared\.global \[\S+\], \[\S+\], 8;", ptx)
+    assert re.search(r"cp\.async\.wait_group\s+1;", ptx)
+    assert len(re.findall(r"bar\.sync\s+9, 128;", ptx)) == 2
+    assert len(re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16", ptx)) == 32
+    assert ".local" not in ptx
 
 
 def test_configs_fit_in_shared_memory():
@@ -139,6 +155,16 @@ def test_op_lowers_to_the_cute_custom_call_for_cuda(tmp_path, monkeypatch):
     # The same function lowered for CPU is the reference: no custom call.
     cpu = jax.jit(_op).trace(*_op_shapes()).lower(lowering_platforms=("cpu",)).as_text()
     assert CUSTOM_CALL not in cpu
+
+
+def test_op_on_fp8_rows_lowers_to_the_custom_call_reading_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSV4_KERNEL_CACHE", str(tmp_path))
+    shapes = list(_op_shapes(t=2, h=64))
+    shapes[4] = S((8192, 584), jnp.uint8)
+    text = _lower(shapes)
+    call = [line for line in text.splitlines() if f"custom_call @{CUSTOM_CALL}" in line]
+    assert len(call) == 1 and "tensor<8192x584xui8>" in call[0]
+    assert "tensor<8192x512xbf16>" not in text        # no decoded copy of the table
 
 
 def test_disk_cache_serves_a_new_process_without_recompiling(tmp_path, monkeypatch):
