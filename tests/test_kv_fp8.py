@@ -208,6 +208,28 @@ def test_model_with_an_fp8_cache_gives_the_bf16_caches_logits(quantized):
             assert np.any(np.asarray(a.compressed) != 0)
 
 
+def test_decode_step_lowers_to_the_kernel_reading_the_fp8_tables():
+    """The model's decode step for a Hopper GPU (lowered on CPU): each CSA/HCA layer's
+    attention kernel takes its FP8 table as it is -- no decoded BF16 copy of a table."""
+    from dsv4_jax.ffi import dispatch
+    from dsv4_jax.params import abstract_params
+    cfg = dj.Config.tiny(n_heads=64, o_groups=8)
+    others = {op: "xla" for op in ("grouped_gemm", "moe_experts", "hc_pre",
+                                   "hc_split_sinkhorn", "moe_router", "index_topk")}
+    model = dj.DSV4(cfg, implementation=dj.KernelPolicy(ops=others), runtime_checks=False)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256, kv_dtype="fp8"))
+    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
+    with dispatch.cuda_target():
+        text = step.trace(abstract_params(cfg), tok, cache).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
+    for ratio in (4, 128):                          # the CSA and the HCA tables
+        rows = 2 * 256 // ratio
+        assert any(f"tensor<{rows}x584xui8>" in line for line in calls), ratio
+        assert f"tensor<{rows}x512xbf16>" not in text, ratio
+
+
 def test_generate_with_an_fp8_cache_gives_the_same_tokens():
     cfg = dj.Config.tiny()
     model, params = dj.DSV4(cfg, implementation="xla"), dj.init_params(cfg, 0)
