@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import CSA_RATIO, Config, compressor_overlap
-from .kv_entry import check_kv_dtype, entry_bytes
+from .kv_entry import check_kv_dtype, entry_bytes, is_fp8_table
 from .mesh_rules import cache_shardings
 
 __all__ = ["Cache", "LayerCache"]
@@ -142,7 +142,7 @@ class Cache:
     def kv_dtype(self) -> str | None:
         """``"fp8"`` when the compressed entries are FP8 rows, else None (the cache dtype)."""
         tables = [lc.compressed for lc in self.layers + self.mtp if lc.compressed is not None]
-        return "fp8" if tables and tables[0].dtype == jnp.uint8 else None
+        return "fp8" if tables and is_fp8_table(tables[0]) else None
 
     def reset_rows(self, rows: jax.Array) -> "Cache":
         """Empty the rows where ``rows`` [B] bool is true (start new sequences in place)."""
