@@ -2,7 +2,7 @@
 shapes of a DSV4-Flash CSA layer: its implementations side by side, and its parts.
 
     python benchmarks/bench_indexer.py [--cases prefill,decode] [--impls xla,cute]
-                                       [--parts] [--markdown out.md]
+                                       [--parts] [--ops N] [--markdown out.md]
     python benchmarks/bench_indexer.py --tiny        # dry run (CPU)
 
 Cases (64 heads of width 128, top-512, every entry visible to every query):
@@ -16,6 +16,10 @@ waited for, warm-up excluded: includes the host's launch and wait, ~0.1 ms); dev
 of the device ops of one traced call (``step_figures.trace_device_ops``); the table gives the
 floors of the same row: FLOPs = 2 B S H N D at
 ``PEAK_TFLOPS`` (bf16) and bytes = the keys, queries and weights read once at ``PEAK_TBPS``.
+
+``--impls``: the op's ``xla`` and ``cute``, and ``cute+xla-topk`` / ``cute+split-topk``
+(the kernel's scores merged by XLA's top-k in parts / by the split top-k kernels whatever the
+row count). ``--ops N`` lists each call's N longest device ops.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
 einsum with its relu-weighted head sum for one block of ``choose_block`` entries, and
@@ -31,8 +35,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.ffi import index_topk
-from dsv4_jax.ffi.indexer_reference import choose_block
+from dsv4_jax.ffi import index_topk, indexer_sm90
+from dsv4_jax.ffi.indexer_reference import choose_block, select_reference
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, PEAK_TFLOPS, emit_table, is_oom, median_seconds
 
@@ -62,13 +66,22 @@ def floors_us(b, s, n, heads=HEADS, dim=DIM):
     return flops / (PEAK_TFLOPS * 1e12) * 1e6, nbytes / (PEAK_TBPS * 1e12) * 1e6
 
 
+# Implementations besides the op's own ("xla", "cute"): the kernel's scores with another merge.
+MERGES = {"cute+xla-topk": select_reference,
+          "cute+split-topk": indexer_sm90.select_split_cute}
+
+
 def time_op(args, impl, runs):
     """(wall us of one call, each waited for; device us of one traced call: the sum of its
-    device ops, without the host's launch and wait)."""
-    fn = jax.jit(lambda q, w, kt, v: index_topk(q, w, kt, v, TOPK, implementation=impl))
+    device ops, without the host's launch and wait; that call's us and calls per op)."""
+    if impl in MERGES:
+        fn = jax.jit(lambda q, w, kt, v: indexer_sm90.index_topk_cute(
+            q, w, kt, v, TOPK, select=MERGES[impl]))
+    else:
+        fn = jax.jit(lambda q, w, kt, v: index_topk(q, w, kt, v, TOPK, implementation=impl))
     wall = median_seconds(fn, *args, runs=runs) * 1e6
-    totals, _ = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
-    return wall, sum(totals.values())
+    totals, counts = trace_device_ops(lambda: jax.block_until_ready(fn(*args)))
+    return wall, sum(totals.values()), totals, counts
 
 
 def time_parts(b, s, n, args, runs):
@@ -97,6 +110,7 @@ def main(argv=None):
     p.add_argument("--impls", default="xla")
     p.add_argument("--parts", action="store_true")
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--ops", type=int, default=0, help="list each call's N longest device ops")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--markdown")
     args = p.parse_args(argv)
@@ -107,15 +121,18 @@ def main(argv=None):
              "| case | B | S | N | " + " | ".join(f"{i}: wall / device (us)" for i in impls)
              + " | FLOP floor (us) | byte floor (us) |",
              "|---|---|---|---|" + "---|" * (len(impls) + 2)]
-    part_lines = []
+    part_lines, op_lines = [], []
     for case in args.cases.split(","):
         for b, s, n in cases[case]:
             inputs = make_inputs(b, s, n)
             cells = []
             for impl in impls:
                 try:
-                    wall, device = time_op(inputs, impl, args.runs)
+                    wall, device, totals, counts = time_op(inputs, impl, args.runs)
                     cells.append(f"{wall:.1f} / {device:.1f}")
+                    for op, us in totals.most_common(args.ops):
+                        op_lines.append(f"| {case} B={b} S={s} N={n} | {impl} | {op[:60]} | "
+                                        f"{us:.1f} | {counts[op]} |")
                 except Exception as err:  # noqa: BLE001 -- a row's failure is reported in it
                     cells.append("OOM" if is_oom(err) else f"error: {type(err).__name__}")
             flop_us, byte_us = floors_us(b, s, n)
@@ -128,6 +145,8 @@ def main(argv=None):
                     part_lines.append(f"| {case} B={b} S={s} N={n} (blocks of {width}: "
                                       f"{blocks}) | {name} | {t:.1f} |")
                     print(part_lines[-1], flush=True)
+    if op_lines:
+        lines += ["", "| case | impl | device op | us | calls |", "|---|---|---|---|---|"] + op_lines
     if part_lines:
         lines += ["", "| case | part | us |", "|---|---|---|"] + part_lines
     emit_table(lines, args.markdown)

@@ -2,19 +2,23 @@
 ``kernels/index_scores_sm90.py`` (one launch per block, bf16 ``[B, S, width]``: no
 ``[B, S, H, width]`` temporary), merged into the running top-k by
 ``kernels/index_topk_sm90.py`` (a radix select per query row) when there are at least
-``TOP_K_ROWS`` query rows and k <= ``MAX_TOPK``, else by XLA's ``top_k`` (in parts for a few
-long rows), in the reference's loop (``indexer_reference.blocked_topk``)."""
+``TOP_K_ROWS`` query rows and k <= ``MAX_TOPK``; a decode step's few rows over one block by
+``kernels/index_topk_split_sm90.py`` (the same select, each row split over many CTAs); else
+by XLA's ``top_k`` (in parts for a few long rows); in the reference's loop
+(``indexer_reference.blocked_topk``)."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, MAX_TOPK,
+                                                  SPLIT_SEGMENT, MAX_SEGMENTS,
                                                   IndexScoresSm90Config)
 from .indexer_reference import (TOP_K_ROWS, _cdiv, blocked_topk, check_index_topk_args,
                                 select_reference)
 
-__all__ = ["support", "index_scores_cute", "select_cute", "index_topk_cute",
+__all__ = ["support", "index_scores_cute", "select_cute", "select_split_cute",
+           "split_select_supported", "choose_select", "index_topk_cute",
            "choose_kernel_block", "KERNEL_SCORE_BUDGET_BYTES"]
 
 # The largest per-block temporary of the kernel path, the bf16 scores ``[B, S, width]``: a
@@ -91,9 +95,49 @@ def select_cute(score, kk: int, lo, running=None):
     return values.reshape(*lead, kk), ids.reshape(*lead, kk)
 
 
+def split_select_supported(width: int, kk: int, dtype) -> bool:
+    """Whether ``select_split_cute`` takes a ``[rows, width]`` score of ``dtype``."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and 1 <= kk <= min(width, MAX_TOPK)
+            and _cdiv(width, SPLIT_SEGMENT) <= MAX_SEGMENTS)
+
+
+def select_split_cute(score, kk: int, lo, running=None):
+    """``indexer_reference.select_reference`` without a running set by the split top-k kernels
+    (``kernels/index_topk_split_sm90``: every row over many CTAs; a decode step's few long
+    rows): the same values and ids, in the same order; bf16 scores."""
+    from .cute_call import cute_call
+    from dsv4_jax.kernels import index_topk_split_sm90 as kernel
+
+    if running is not None:
+        raise ValueError("select_split_cute: takes no running set (one block of entries)")
+    *lead, width = score.shape
+    if not split_select_supported(width, kk, score.dtype):
+        raise ValueError(f"select_split_cute: the kernels do not take k={kk} over scores "
+                         f"{tuple(score.shape)} of dtype {score.dtype}")
+    rows = 1
+    for d in lead:
+        rows *= d
+    segments = kernel.segments_of(width)
+    counts = jnp.zeros((rows, kernel.COUNT_WORDS), jnp.int32)        # updated in place
+    outs = (jax.ShapeDtypeStruct(counts.shape, counts.dtype),
+            jax.ShapeDtypeStruct((rows, kk), jnp.int32),              # keys above T
+            jax.ShapeDtypeStruct((rows, kk), jnp.int32),              # their positions
+            jax.ShapeDtypeStruct((rows, segments), jnp.int32),        # ties kept per segment
+            jax.ShapeDtypeStruct((rows, segments, kk), jnp.int32),    # their positions
+            jax.ShapeDtypeStruct((rows, kk), score.dtype),
+            jax.ShapeDtypeStruct((rows, kk), jnp.int32))
+    *_, values, ids = cute_call(kernel.index_topk_split_launcher, outs,
+                                score.reshape(rows, width), counts,
+                                jnp.reshape(lo, (1,)).astype(jnp.int32),
+                                input_output_aliases={1: 0}, k=kk, vector=width % 8 == 0)
+    return values.reshape(*lead, kk), ids.reshape(*lead, kk)
+
+
 def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = None,
-                    config: IndexScoresSm90Config | None = None):
-    """``index_topk`` with the kernel's scores; ``block=None``: ``choose_kernel_block``."""
+                    config: IndexScoresSm90Config | None = None, select=None):
+    """``index_topk`` with the kernel's scores; ``block=None``: ``choose_kernel_block``;
+    ``select``: the running top-k's merge (``select_reference``, ``select_cute`` or
+    ``select_split_cute``), None: ``choose_select``."""
     check_index_topk_args(q, weights, keys, visible, k, block)
     b, s = q.shape[:2]
     n = keys.shape[1]
@@ -105,10 +149,18 @@ def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = No
     kk = min(k, n)
     width = choose_kernel_block(b, s, n, kk) if block is None else min(block, n)
     limit = jnp.minimum(visible.astype(jnp.int32), n)
-    # The top-k kernel runs one CTA per query row: with many rows (prefill) it fills the GPU;
-    # a few long rows (decode) take XLA's top-k in parts, which spreads each row over many
-    # sort segments (docs/performance.md).
-    kernel_select = kk <= MAX_TOPK and b * s >= TOP_K_ROWS
     return blocked_topk(lambda lo: index_scores_cute(q, weights, keys, limit, lo, width, config),
                         b, s, n, kk, width, limit,
-                        select=select_cute if kernel_select else select_reference)
+                        select=select or choose_select(b * s, n, kk, width))
+
+
+def choose_select(rows: int, n: int, kk: int, width: int):
+    """The running top-k's merge: the one-CTA-per-row kernel from ``TOP_K_ROWS`` rows on (a
+    prefill chunk's rows fill the GPU); for fewer rows over one block (a decode step: the
+    whole table at once), the split kernels, which spread each row over many CTAs; else XLA's
+    top-k in parts (docs/performance.md)."""
+    if kk <= MAX_TOPK and rows >= TOP_K_ROWS:
+        return select_cute
+    if width >= n and split_select_supported(width, kk, jnp.bfloat16):
+        return select_split_cute
+    return select_reference

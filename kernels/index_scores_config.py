@@ -21,6 +21,11 @@ MAX_GRID_Z = 65535
 # sort gives each thread one compare-exchange per stage, so k <= 2 x TOPK_THREADS.
 TOPK_THREADS = 512
 MAX_TOPK = 2 * TOPK_THREADS
+# The split top-k (``index_topk_split_sm90.py``, a decode step's few long rows): each row in
+# segments of SPLIT_SEGMENT entries, one CTA each; its last CTA per row scans two segments'
+# tie counts a thread.
+SPLIT_SEGMENT = 2048
+MAX_SEGMENTS = 2 * TOPK_THREADS
 # CTAs a launch aims for when its queries alone give fewer (decode: a few queries against
 # many entries): the entries are split among CTAs so that every SM streams keys.
 TARGET_CTAS = 2 * NUM_SMS

@@ -165,28 +165,11 @@ class IndexTopkSm90:
         for i in cutlass.range(tidx, self.k2, NUM_THREADS, unroll=1):
             if i >= self.k:
                 sel[i] = Int64(-1)
-        for size_log in cutlass.range_constexpr(1, self.k2.bit_length()):
-            size = 1 << size_log
-            for stride_log in cutlass.range_constexpr(size_log - 1, -1, -1):
-                stride = 1 << stride_log
-                cute.arch.barrier()
-                if tidx < self.k2 // 2:
-                    i = 2 * stride * (tidx // stride) + tidx % stride
-                    j = i + stride
-                    a, b = sel[i], sel[j]
-                    # descending where (i & size) == 0, so that the whole ends descending
-                    down = (i & size) == 0
-                    if (a < b) == down:
-                        sel[i] = b
-                        sel[j] = a
-        cute.arch.barrier()
+        self.sort_words(sel, tidx)
         lo = mLo[0]
         for i in cutlass.range(tidx, self.k, NUM_THREADS, unroll=1):
-            w = sel[i]
-            key = (w >> 32).to(Int32)
-            pos = (Int64(0xFFFFFFFF) - (w & Int64(0xFFFFFFFF))).to(Int32)
-            bits = key & 0x7FFF if (key & 0x8000) != 0 else key ^ 0xFFFF
-            mOutV[r, i] = bits_f32(bits << 16).to(mOutV.element_type)
+            key, pos = self.unword(sel[i])
+            mOutV[r, i] = self.key_value(key).to(mOutV.element_type)
             ident = lo + pos - kr
             if const_expr(self.has_running):
                 if pos < kr:
@@ -205,12 +188,49 @@ class IndexTopkSm90:
                 value = mScores[r, c - kr].to(Float32)
         else:
             value = mScores[r, c].to(Float32)
-        b = (f32_bits(value) >> 16) & 0xFFFF
+        return self.order_key((f32_bits(value) >> 16) & 0xFFFF)
+
+    @cute.jit
+    def order_key(self, b: Int32) -> Int32:
+        """The order-preserving 16-bit key of bf16 bits ``b`` (negative: all bits flipped;
+        others: the sign bit set)."""
         return b ^ 0xFFFF if (b & 0x8000) != 0 else b | 0x8000
 
     def word(self, key, c):
         """Sort word: key descending first, then position ascending."""
         return (key.to(Int64) << 32) | (Int64(0xFFFFFFFF) - c.to(Int64))
+
+    @cute.jit
+    def unword(self, w: Int64):
+        """(key, position) of a sort word."""
+        return (w >> 32).to(Int32), (Int64(0xFFFFFFFF) - (w & Int64(0xFFFFFFFF))).to(Int32)
+
+    @cute.jit
+    def key_value(self, key: Int32) -> Float32:
+        """The bf16 value (as f32) of an order-preserving key."""
+        bits = key & 0x7FFF if (key & 0x8000) != 0 else key ^ 0xFFFF
+        return bits_f32(bits << 16)
+
+    @cute.jit
+    def sort_words(self, sel: cute.Tensor, tidx: Int32):
+        """Bitonic sort of the ``k2`` words of ``sel`` (shared memory), descending, by the
+        CTA's first ``k2 / 2`` threads (every thread takes the barriers). Ends with a
+        barrier."""
+        for size_log in cutlass.range_constexpr(1, self.k2.bit_length()):
+            size = 1 << size_log
+            for stride_log in cutlass.range_constexpr(size_log - 1, -1, -1):
+                stride = 1 << stride_log
+                cute.arch.barrier()
+                if tidx < self.k2 // 2:
+                    i = 2 * stride * (tidx // stride) + tidx % stride
+                    j = i + stride
+                    a, b = sel[i], sel[j]
+                    # descending where (i & size) == 0, so that the whole ends descending
+                    down = (i & size) == 0
+                    if (a < b) == down:
+                        sel[i] = b
+                        sel[j] = a
+        cute.arch.barrier()
 
     @cute.jit
     def find_bin(self, hist: cute.Tensor, misc: cute.Tensor, need: Int32, tidx: Int32,

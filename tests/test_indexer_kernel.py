@@ -20,6 +20,7 @@ from dsv4_jax.params import abstract_params
 BF16 = jnp.bfloat16
 H, D = 64, 128
 _LAUNCH = "call @call_wrapper"
+_SPLIT_LAUNCH = ":7 = stablehlo.custom_call"   # the split top-k: counts, 4 scratch, values, ids
 
 
 def exact_inputs(b, s, n, seed=0, visible=None):
@@ -143,18 +144,46 @@ def test_topk_kernel_compiles_for_sm90a(has_running):
     assert "ld.local" not in ptx and "st.local" not in ptx
 
 
-@pytest.mark.parametrize("rows, launches", [(8, 1), (256, 2)])
-def test_many_query_rows_take_the_topk_kernel(rows, launches):
-    """The score kernel always; the top-k kernel from TOP_K_ROWS query rows on (a prefill
-    chunk), XLA's top-k below (a decode step)."""
+def test_split_topk_kernel_compiles_for_sm90a():
+    """Four kernels (two histograms, collect, finish); 16-byte score loads in each of the three
+    segment passes; three global atomics (two histogram adds, the slot counter); no local
+    memory."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from dsv4_jax.kernels import index_topk_split_sm90 as kernel
+    r, w, s = (cute.sym_int() for _ in range(3))
+    bf = lambda shape: make_fake_compact_tensor(cutlass.BFloat16, shape, assumed_align=16)
+    i32 = lambda shape: make_fake_compact_tensor(cutlass.Int32, shape, assumed_align=4)
+    for vector in (True, False):
+        compiled = cute.compile(kernel.index_topk_split_launcher, make_fake_stream(),
+                                bf((r, w)), i32((r, kernel.COUNT_WORDS)), i32((1,)),
+                                i32((r, 512)), i32((r, 512)), i32((r, s)), i32((r, s, 512)),
+                                bf((r, 512)), i32((r, 512)), k=512, vector=vector)
+        ptx = compiled.artifacts.PTX
+        assert ".target sm_90a" in ptx and ptx.count(".entry") == 4
+        assert ptx.count("ld.global.v4") == (3 if vector else 0)
+        assert ptx.count("atom.global") == 3
+        assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("rows, n, block, split", [(8, 1000, None, True), (256, 1000, None, False),
+                                                   (8, 5000, 2048, False)])
+def test_the_merge_follows_the_row_count(rows, n, block, split):
+    """Two launches each: the score kernel and the top-k kernel from TOP_K_ROWS query rows on
+    (a prefill chunk); the score kernel and the split top-k kernels for fewer rows over one
+    block (a decode step); the score kernel twice (the first block, then the loop's) and XLA's
+    top-k in parts for a few rows over several blocks."""
     pytest.importorskip("cutlass")
     S = jax.ShapeDtypeStruct
-    args = (S((1, rows, H, D), BF16), S((1, rows, H), BF16), S((1, 1000, D), BF16),
+    args = (S((1, rows, H, D), BF16), S((1, rows, H), BF16), S((1, n, D), BF16),
             S((1, rows), jnp.int32))
-    fn = jax.jit(lambda *a: index_topk(*a, 512, implementation="cute"))
+    fn = jax.jit(lambda *a: index_topk(*a, 512, block=block, implementation="cute"))
     with dispatch.cuda_target():
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count(_LAUNCH) == launches
+    assert text.count(_LAUNCH) == 2
+    assert (_SPLIT_LAUNCH in text) == split
 
 
 def _lower_model(index_impl):
@@ -174,12 +203,12 @@ def _lower_model(index_impl):
 
 
 def test_the_models_step_lowers_to_the_indexer_kernels():
-    """Per CSA layer of the decode step, one score launch (the table is one block; a decode
-    step's few rows take XLA's top-k), none when the op runs its reference."""
+    """Per CSA layer of the decode step, the score kernel and the split top-k (the table is
+    one block, a decode step's few rows), none when the op runs its reference."""
     pytest.importorskip("cutlass")
     cfg, text = _lower_model("cute")
     csa = sum(1 for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa")
-    assert csa >= 1 and text.count(_LAUNCH) == csa
+    assert csa >= 1 and text.count(_LAUNCH) == 2 * csa and _SPLIT_LAUNCH in text
     assert _LAUNCH not in _lower_model("xla")[1]
 
 
@@ -254,6 +283,46 @@ def test_topk_kernel_equals_the_reference_selection(lead, width, kk, running):
         lo = jnp.int32(kk + 5)
     got = jax.jit(lambda x, st: indexer_sm90.select_cute(x, kk, lo, st))(score, state)
     want = jax.jit(lambda x, st: select_reference(x, kk, lo, st))(score, state)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    got_v, want_v = (np.asarray(v).view(np.uint16) for v in (got[0], want[0]))
+    np.testing.assert_array_equal(got_v, want_v)
+
+
+def sparse_finite_scores(rows, width, finite, seed):
+    """Rows with only ``finite`` real scores, the rest -inf (a context shorter than k in a
+    large table): the -inf ties must go to the lowest positions."""
+    rng = np.random.default_rng(seed)
+    score = np.full((rows, width), -np.inf, np.float32)
+    for r in range(rows):
+        pos = rng.choice(width, finite, replace=False)
+        score[r, pos] = rng.integers(-8, 9, finite) * 0.25
+    return jnp.asarray(score, BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead, width, kk, kind", [
+    ((1,), 262144, 512, "tied"),       # a decode step at a 1M-token context
+    ((8,), 262144, 512, "tied"),       # batch 8
+    ((2,), 262144, 1024, "normal"),    # Pro's k, few ties
+    ((2, 3), 4100, 300, "tied"),       # [B, S] rows, k not a power of two, a partial segment
+    ((3,), 1001, 512, "tied"),         # W not a multiple of 8: element loads
+    ((2,), 600, 600, "normal"),        # k == W: every entry
+    ((4,), 65536, 512, "sparse"),      # fewer real scores than k: the -inf ties by position
+])
+def test_split_topk_equals_the_reference_selection(lead, width, kk, kind):
+    """Values bit for bit and ids equal to ``select_reference`` (ties to the earlier entry;
+    -0 below +0)."""
+    rows = int(np.prod(lead))
+    if kind == "tied":
+        score = tied_scores(rows, width, width)
+    elif kind == "sparse":
+        score = sparse_finite_scores(rows, width, 300, width)
+    else:
+        score = jax.random.normal(jax.random.key(width), (rows, width), BF16)
+    score = score.reshape(*lead, width)
+    lo = jnp.int32(7)
+    got = jax.jit(lambda x: indexer_sm90.select_split_cute(x, kk, lo))(score)
+    want = jax.jit(lambda x: select_reference(x, kk, lo))(score)
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
     got_v, want_v = (np.asarray(v).view(np.uint16) for v in (got[0], want[0]))
     np.testing.assert_array_equal(got_v, want_v)
