@@ -25,6 +25,8 @@ __all__ = ["support", "index_scores_cute", "select_cute", "select_split_cute",
 # 4096-token chunk merges blocks of 32768 entries, a decode step the whole table at once.
 # Fewer, wider blocks mean fewer top-k merges, which cost more than the scores at this width.
 KERNEL_SCORE_BUDGET_BYTES = 256 << 20
+# The narrowest row the split top-k takes (eight of its segments).
+SPLIT_MIN_WIDTH = 8 * SPLIT_SEGMENT
 
 
 def choose_kernel_block(b: int, s: int, n: int, k: int) -> int:
@@ -157,10 +159,12 @@ def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = No
 def choose_select(rows: int, n: int, kk: int, width: int):
     """The running top-k's merge: the one-CTA-per-row kernel from ``TOP_K_ROWS`` rows on (a
     prefill chunk's rows fill the GPU); for fewer rows over one block (a decode step: the
-    whole table at once), the split kernels, which spread each row over many CTAs; else XLA's
-    top-k in parts (docs/performance.md)."""
+    whole table at once) of at least ``SPLIT_MIN_WIDTH`` entries, the split kernels, which
+    spread each row over many CTAs; else XLA's top-k (in parts for long rows): a short row's
+    top-k is one XLA sort against the split's four launches (docs/performance.md)."""
     if kk <= MAX_TOPK and rows >= TOP_K_ROWS:
         return select_cute
-    if width >= n and split_select_supported(width, kk, jnp.bfloat16):
+    if (width >= n and width >= SPLIT_MIN_WIDTH
+            and split_select_supported(width, kk, jnp.bfloat16)):
         return select_split_cute
     return select_reference

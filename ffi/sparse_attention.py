@@ -187,6 +187,10 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
     from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel
 
     config = DEFAULT_CONFIG if config is None else config
+    ok, reason = _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
+                          scale=scale, config=config)
+    if not ok:
+        raise ValueError(f"sparse_attention: the kernel does not take these arguments: {reason}")
     t, h, d = q.shape
     has_extra = extra_kv is not None
     if not has_extra:
@@ -194,7 +198,7 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
         extra_kv, extra_idx = kv, idx
     num_slots = idx.shape[1] + (extra_idx.shape[1] if has_extra else 0)
     splits = choose_num_splits(t, h, num_slots, config.block_n)
-    launch = config.resolve(splits)
+    launch = config.resolve(splits, extra_fp8=has_extra and kv_entry.is_fp8_table(extra_kv))
     # Flash-decoding partials (fp32 output and lse of each split); a placeholder without split.
     part_o = (splits, t, h, d) if splits > 1 else (1,)
     part_lse = (splits, t, h) if splits > 1 else (1,)

@@ -62,11 +62,13 @@ class SparseAttentionSm90Config:
                              f"{(*shape, self.qk_split)} is not offered; one of {_OFFERED} "
                              "(qk_split None: either)")
 
-    def resolve(self, num_splits: int = 1) -> "SparseAttentionSm90Config":
-        """This configuration with ``qk_split`` decided for a launch of ``num_splits``."""
+    def resolve(self, num_splits: int = 1, extra_fp8: bool = False) -> "SparseAttentionSm90Config":
+        """This configuration with ``qk_split`` decided for a launch of ``num_splits``; never
+        split with an FP8 second pool (``is_supported``)."""
         if self.qk_split is not None:
             return self
-        split = num_splits == 1 and (self.block_n, self.num_stages, True) in _OFFERED
+        split = (num_splits == 1 and not extra_fp8
+                 and (self.block_n, self.num_stages, True) in _OFFERED)
         return dataclasses.replace(self, qk_split=split)
 
     def smem_bytes(self) -> int:
@@ -98,6 +100,12 @@ class SparseAttentionSm90Config:
         if extra_entry_bytes is not None and extra_entry_bytes != FP8_ENTRY_BYTES:
             return False, (f"FP8 entry rows of {extra_entry_bytes} bytes (the kernel reads "
                            f"{FP8_ENTRY_BYTES})")
+        if extra_entry_bytes is not None and extra_slots > 0 and self.qk_split:
+            # The FP8 producer commits a block one block late; the split QK^T holds a block
+            # until the next one lands: with two stages each would wait for the other.
+            return False, ("qk_split=True with an FP8 second pool (the producer's late commit "
+                           "and the split QK^T's look-ahead would hold both stages; use "
+                           "qk_split None or False)")
         return True, ""
 
 

@@ -156,6 +156,15 @@ def test_reference_reads_fp8_rows_as_their_bf16_values(t):
     assert np.all(np.asarray(fp8[1][t // 2]) == -np.inf)
 
 
+def test_the_kernel_refuses_a_split_qk_config_for_fp8_rows():
+    """An explicit ``qk_split=True`` with an FP8 second pool is refused before any compile
+    (it would deadlock on the GPU), in one line naming the reason."""
+    q, kv, idx, sink, rows, xidx = op_case(3, 2, 64, 128, 16, 256, 128)
+    with pytest.raises(ValueError, match="qk_split=True with an FP8 second pool"):
+        sparse_attention_cute(q, kv, idx, sink, extra_kv=rows, extra_idx=xidx, scale=SCALE,
+                              config=SparseAttentionSm90Config(64, 2, True))
+
+
 def test_op_rejects_fp8_rows_of_another_width():
     q, kv, idx, sink, rows, xidx = op_case(2, 2, 4, 8, 8, 10, 10)
     with pytest.raises(ValueError, match=r"uint8 extra_kv must be \[M, W\] FP8 entry rows"):
@@ -173,6 +182,12 @@ def test_kernel_support_takes_the_official_rows_only():
     assert cfg.is_supported(**common, extra_entry_bytes=584) == (True, "")
     ok, why = cfg.is_supported(**common, extra_entry_bytes=592)
     assert not ok and "592" in why
+    # The FP8 producer's late commit and the split QK^T's look-ahead would deadlock: a launch
+    # with one split resolves to the ping-pong QK^T, and an explicit split is refused.
+    assert cfg.resolve(1, extra_fp8=True).qk_split is False
+    assert cfg.resolve(1).qk_split is True
+    ok, why = SparseAttentionSm90Config(64, 2, True).is_supported(**common, extra_entry_bytes=584)
+    assert not ok and "qk_split=True with an FP8 second pool" in why
 
 
 # ----------------------------------------------------------------------------- the model (CPU)
@@ -251,7 +266,8 @@ GPU_CASES = [  # (T, H, K, K2, N, M, config)
     (1, 64, 128, 512, 300, 2000, Sm90()),                  # Flash decode: splits + combine
     (2, 64, 128, 8192, 300, 9000, Sm90()),                 # HCA at 1M: 128 blocks per token
     (3, 128, 128, 1024, 500, 5000, Sm90(48, 3, False)),    # Pro heads, 48-entry blocks
-    (5, 64, 100, 300, 777, 999, Sm90(64, 2, True)),        # a block straddles both pools
+    (5, 64, 100, 300, 777, 999, Sm90(64, 2, False)),       # a block straddles both pools
+    (300, 64, 128, 16, 256, 128, Sm90()),   # the tiny model's prefill: one split, 3 blocks
     (64, 64, 128, 512, 2000, 20000, Sm90()),               # prefill-sized: QK^T split
     (130, 64, 128, 512, 20000, 20000, Sm90(64, 2, False)),  # two waves
 ]
