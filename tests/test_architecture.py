@@ -47,6 +47,7 @@ LAZY_BY_DESIGN = {
     ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.ffi.cute_call"),
     ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.kernels.index_scores_sm90"),
     ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.kernels.index_topk_sm90"),
+    ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.kernels.index_topk_split_sm90"),
     ("dsv4_jax.ffi.grouped_gemm_sm90", "dsv4_jax.kernels.grouped_gemm_sm90_launch"),
     # The command line imports JAX-heavy modules only after its arguments parsed:
     # ``python -m dsv4_jax --help`` must not import JAX (tests/test_cli.py).

@@ -188,15 +188,16 @@ def test_the_merge_follows_the_row_count(rows, n, block, launches, split):
     assert (_SPLIT_LAUNCH in text) == split
 
 
-def _lower_model(index_impl):
-    """A quantised tiny model with the indexer's real head count, lowered for a Hopper GPU."""
+def _lower_model(index_impl, max_len=256):
+    """A quantised tiny model with the indexer's real head count, lowered for a Hopper GPU
+    (the decode step of a batch of 2 over a ``max_len``-token cache)."""
     cfg = dj.Config.tiny(quantized=True, index_n_heads=H, index_head_dim=D)
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
               "hc_pre": "xla", "hc_split_sinkhorn": "xla", "moe_router": "xla",
               "index_topk": index_impl}
     model = dj.DSV4(cfg, implementation=KernelPolicy(ops=others), runtime_checks=False)
     params = abstract_params(cfg)
-    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256))
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, max_len))
     tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
     with dispatch.cuda_target():
@@ -210,8 +211,17 @@ def test_the_models_step_lowers_to_the_indexer_kernels():
     pytest.importorskip("cutlass")
     cfg, text = _lower_model("cute")
     csa = sum(1 for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa")
-    assert csa >= 1 and text.count(_LAUNCH) == csa
+    assert csa >= 1 and text.count(_LAUNCH) == csa and _SPLIT_LAUNCH not in text
     assert _LAUNCH not in _lower_model("xla")[1]
+
+
+def test_a_long_caches_decode_step_lowers_to_the_split_topk():
+    """With a long cache (CSA tables of SPLIT_MIN_WIDTH entries) each CSA layer's decode step
+    runs the score kernel and the split top-k."""
+    pytest.importorskip("cutlass")
+    cfg, text = _lower_model("cute", max_len=4 * indexer_sm90.SPLIT_MIN_WIDTH)
+    csa = sum(1 for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa")
+    assert text.count(_LAUNCH) == 2 * csa and _SPLIT_LAUNCH in text
 
 
 # ----------------------------------------------------------------------------- GPU
