@@ -60,13 +60,14 @@ def test_generate_on_gpu_is_deterministic_and_uses_the_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantized", [True, False])
-def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantized):
+@pytest.mark.parametrize("quantized, max_len", [(True, 512), (False, 512), (True, 65536)])
+def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantized, max_len):
     """The indexer's real head count and width (the score kernel's sizes), every other op on
     its reference: prefill and decode logits with the kernel's scores equal those with the
     reference's -- bit for bit with the FP4 simulation of the index queries and keys (their
     dot products are exact in any order), closely without it (a near-tie may resolve the
-    other way: the head sum adds in another order)."""
+    other way: the head sum adds in another order). A 65536-token cache gives CSA tables of
+    16384 entries, which a decode step's split top-k takes (mostly invisible: -inf ties)."""
     cfg = dj.Config.tiny(index_n_heads=64, index_head_dim=128, quantized=quantized)
     params = dj.init_params(cfg, 0)
     toks = jax.random.randint(jax.random.key(1), (2, 300), 0, cfg.vocab_size)
@@ -76,8 +77,10 @@ def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantize
     for impl in ("cute", "xla"):
         policy = dj.KernelPolicy(ops=others | {"index_topk": impl})
         model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
-        out[impl], hlo = prefill_then_decode(model, params, toks, 280, 512)
+        out[impl], hlo = prefill_then_decode(model, params, toks, 280, max_len)
         assert ("CuteDSLRT_NvJaxCutlassCall" in hlo) == (impl == "cute")
+        # the split top-k: its custom call has seven results (counts, scratch, values, ids)
+        assert (":7 = stablehlo.custom_call" in hlo) == (impl == "cute" and max_len > 512)
     a, b = out["cute"], out["xla"]
     assert np.all(np.isfinite(a))
     if quantized:
