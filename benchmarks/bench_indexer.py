@@ -19,7 +19,8 @@ floors of the same row: FLOPs = 2 B S H N D at
 
 ``--impls``: the op's ``xla`` and ``cute``, and ``cute+xla-topk`` / ``cute+split-topk``
 (the kernel's scores merged by XLA's top-k in parts / by the split top-k kernels whatever the
-row count). ``--ops N`` lists each call's N longest device ops.
+row count), ``cute@TxS`` (the op's kernels with the score kernel's ``IndexScoresSm90Config``
+of T queries per math warpgroup and S key stages, e.g. ``cute@1x4``). ``--ops N`` lists each call's N longest device ops.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
 einsum with its relu-weighted head sum for one block of ``choose_block`` entries, and
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 
 from dsv4_jax.ffi import index_topk, indexer_sm90
 from dsv4_jax.ffi.indexer_reference import choose_block, select_reference
+from dsv4_jax.kernels.index_scores_config import IndexScoresSm90Config
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, PEAK_TFLOPS, emit_table, is_oom, median_seconds
 
@@ -74,9 +76,13 @@ MERGES = {"cute+xla-topk": select_reference,
 def time_op(args, impl, runs):
     """(wall us of one call, each waited for; device us of one traced call: the sum of its
     device ops, without the host's launch and wait; that call's us and calls per op)."""
-    if impl in MERGES:
+    if impl in MERGES or impl.startswith("cute@"):
+        select, config = MERGES.get(impl), None
+        if impl.startswith("cute@"):          # cute@TxS: tokens per warpgroup x stages
+            tokens, stages = (int(x) for x in impl[5:].split("x"))
+            config = IndexScoresSm90Config(tokens_per_warpgroup=tokens, num_stages=stages)
         fn = jax.jit(lambda q, w, kt, v: indexer_sm90.index_topk_cute(
-            q, w, kt, v, TOPK, select=MERGES[impl]))
+            q, w, kt, v, TOPK, select=select, config=config))
     else:
         fn = jax.jit(lambda q, w, kt, v: index_topk(q, w, kt, v, TOPK, implementation=impl))
     wall = median_seconds(fn, *args, runs=runs) * 1e6

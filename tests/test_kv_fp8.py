@@ -202,12 +202,12 @@ def prefill_then_decode(model, params, toks, prefill, cache):
     return np.asarray(jnp.concatenate(steps, 1), np.float32), cache
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_model_with_an_fp8_cache_gives_the_bf16_caches_logits(quantized):
+def test_model_with_an_fp8_cache_gives_the_bf16_caches_logits():
     """Under the FP8 simulation the FP8 rows hold exactly the BF16 cache's entries: prefill
     (CSA and HCA entries emitted, the CSA top-k sparse) and decode across block boundaries
-    give the same logits bit for bit, and the decoded tables equal the BF16 tables."""
-    cfg = dj.Config.tiny(quantized=quantized)
+    give the same logits bit for bit, and the decoded tables equal the BF16 tables (the
+    official weight format; the cache path does not depend on how the weights are stored)."""
+    cfg = dj.Config.tiny(quantized=True)
     model = dj.DSV4(cfg, implementation="xla", runtime_checks=False)
     params = dj.init_params(cfg, 0)
     toks = jax.random.randint(jax.random.key(3), (2, 140), 0, cfg.vocab_size)
