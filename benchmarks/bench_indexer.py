@@ -2,7 +2,7 @@
 shapes of a DSV4-Flash CSA layer: its implementations side by side, and its parts.
 
     python benchmarks/bench_indexer.py [--cases prefill,decode] [--impls xla,cute]
-                                       [--parts] [--ops N] [--markdown out.md]
+                                       [--parts] [--ops N] [--visible V] [--markdown out.md]
     python benchmarks/bench_indexer.py --tiny        # dry run (CPU)
 
 Cases (64 heads of width 128, top-512, every entry visible to every query):
@@ -20,7 +20,9 @@ floors of the same row: FLOPs = 2 B S H N D at
 ``--impls``: the op's ``xla`` and ``cute``, and ``cute+xla-topk`` / ``cute+split-topk``
 (the kernel's scores merged by XLA's top-k in parts / by the split top-k kernels whatever the
 row count), ``cute@TxS`` (the op's kernels with the score kernel's ``IndexScoresSm90Config``
-of T queries per math warpgroup and S key stages, e.g. ``cute@1x4``). ``--ops N`` lists each call's N longest device ops.
+of T queries per math warpgroup and S key stages, e.g. ``cute@1x4``; ``cute@2x3s``: with
+``skip_invisible``). ``--visible V``: each row sees only its first V entries (a short
+context in a long table; default: all). ``--ops N`` lists each call's N longest device ops.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
 einsum with its relu-weighted head sum for one block of ``choose_block`` entries, and
@@ -51,14 +53,14 @@ CASES = {
 TINY_CASES = {"prefill": [(1, 64, 512)], "decode": [(2, 1, 1024)]}
 
 
-def make_inputs(b, s, n, heads=HEADS, dim=DIM, seed=0):
-    """FP4-grid queries and keys (multiples of 1/2 in [-3, 3]), bf16 head weights, every entry
-    visible."""
+def make_inputs(b, s, n, heads=HEADS, dim=DIM, seed=0, visible=None):
+    """FP4-grid queries and keys (multiples of 1/2 in [-3, 3]), bf16 head weights, the first
+    ``visible`` entries visible (None: all)."""
     kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.randint(kq, (b, s, heads, dim), -6, 7).astype(jnp.bfloat16) * 0.5
     keys = jax.random.randint(kk, (b, n, dim), -6, 7).astype(jnp.bfloat16) * 0.5
     weights = (jax.random.normal(kw, (b, s, heads), jnp.float32) * 0.1).astype(jnp.bfloat16)
-    visible = jnp.full((b, s), n, jnp.int32)
+    visible = jnp.full((b, s), n if visible is None else min(visible, n), jnp.int32)
     return jax.block_until_ready((q, weights, keys, visible))
 
 
@@ -78,9 +80,11 @@ def time_op(args, impl, runs):
     device ops, without the host's launch and wait; that call's us and calls per op)."""
     if impl in MERGES or impl.startswith("cute@"):
         select, config = MERGES.get(impl), None
-        if impl.startswith("cute@"):          # cute@TxS: tokens per warpgroup x stages
-            tokens, stages = (int(x) for x in impl[5:].split("x"))
-            config = IndexScoresSm90Config(tokens_per_warpgroup=tokens, num_stages=stages)
+        if impl.startswith("cute@"):   # cute@TxS[s]: tokens per warpgroup x stages [skip]
+            spec = impl[5:]
+            tokens, stages = (int(x) for x in spec.rstrip("s").split("x"))
+            config = IndexScoresSm90Config(tokens_per_warpgroup=tokens, num_stages=stages,
+                                           skip_invisible=spec.endswith("s"))
         fn = jax.jit(lambda q, w, kt, v: indexer_sm90.index_topk_cute(
             q, w, kt, v, TOPK, select=select, config=config))
     else:
@@ -116,6 +120,8 @@ def main(argv=None):
     p.add_argument("--impls", default="xla")
     p.add_argument("--parts", action="store_true")
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--visible", type=int, default=None,
+                   help="entries each row sees (default: all)")
     p.add_argument("--ops", type=int, default=0, help="list each call's N longest device ops")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--markdown")
@@ -130,7 +136,7 @@ def main(argv=None):
     part_lines, op_lines = [], []
     for case in args.cases.split(","):
         for b, s, n in cases[case]:
-            inputs = make_inputs(b, s, n)
+            inputs = make_inputs(b, s, n, visible=args.visible)
             cells = []
             for impl in impls:
                 try:

@@ -69,7 +69,7 @@ def index_scores_cute(q, weights, keys, limit, lo, width: int,
     res = cute_call(kernel.index_scores_launcher, (out,), q, weights, keys,
                     limit.astype(jnp.int32), jnp.reshape(lo, (1,)).astype(jnp.int32),
                     splits=splits, tokens_per_warpgroup=config.tokens_per_warpgroup,
-                    num_stages=config.num_stages)
+                    num_stages=config.num_stages, skip_invisible=config.skip_invisible)
     return res[0] if isinstance(res, (tuple, list)) else res
 
 

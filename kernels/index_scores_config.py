@@ -35,10 +35,14 @@ TARGET_CTAS = 2 * NUM_SMS
 class IndexScoresSm90Config:
     """One launch configuration: ``tokens_per_warpgroup`` queries per math warpgroup (a CTA
     holds 2 x that many queries' Q tiles and reads each key block once for all of them) and
-    ``num_stages`` key blocks in flight. A combination that does not fit raises
+    ``num_stages`` key blocks in flight; ``skip_invisible``: a CTA loads and multiplies only
+    the key blocks that start below its queries' largest visible count and writes -inf for
+    the rest (a short context in a long table, the causal part of a prefill chunk), instead
+    of masking every block it is given. A combination that does not fit raises
     ``ValueError``."""
     tokens_per_warpgroup: int = 2
     num_stages: int = 3
+    skip_invisible: bool = False
 
     def __post_init__(self):
         if self.tokens_per_warpgroup not in (1, 2):

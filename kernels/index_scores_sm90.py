@@ -106,6 +106,7 @@ class IndexScoresSm90:
         self.tpw = config.tokens_per_warpgroup
         self.tokens = config.tokens_per_cta
         self.num_stages = config.num_stages
+        self.skip_invisible = config.skip_invisible
         self.dtype = cutlass.BFloat16
 
     # ------------------------------------------------------------------ host
@@ -163,14 +164,30 @@ class IndexScoresSm90:
         blk_begin = split * per_split
         n_local = cutlass.max(cutlass.min(blk_begin + per_split, num_blocks) - blk_begin, 0)
         lo = mLo[0]
+        # The blocks the pipeline streams: all of the split's, or (skip_invisible) those that
+        # start below the group's largest visible count -- the same count in every warpgroup.
+        n_live = n_local
+        if const_expr(self.skip_invisible):
+            tokens = mQ.shape[1]
+            most = Int32(0)
+            for slot in cutlass.range_constexpr(self.tokens):
+                most = cutlass.max(most, mVis[b, cutlass.min(group * self.tokens + slot,
+                                                             tokens - 1)])
+            live_blocks = (most - lo + BLOCK_N - 1) // BLOCK_N - blk_begin
+            if most <= lo:
+                live_blocks = Int32(0)
+            n_live = cutlass.max(cutlass.min(live_blocks, n_local), 0)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(mQ, mK, b, group, lo, blk_begin, n_local, sQ, sK, kv_pipe, tidx)
+            self.produce(mQ, mK, b, group, lo, blk_begin, n_live, sQ, sK, kv_pipe, tidx)
         else:
             cute.arch.setmaxregister_increase(MATH_REGS)
-            self.consume(mW, mVis, mOut, b, group, lo, blk_begin, n_local, wg - 1,
+            self.consume(mW, mVis, mOut, b, group, lo, blk_begin, n_live, wg - 1,
                          tidx % 128, sQ, sK, kv_pipe, tiled_mma, storage.sX.data_ptr())
+            if const_expr(self.skip_invisible):
+                self.store_invisible(mOut, b, group, wg - 1, blk_begin, n_live, n_local,
+                                     tidx % 128)
 
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, b: Int32, group: Int32, lo: Int32,
@@ -319,15 +336,30 @@ class IndexScoresSm90:
             score = total if lo + col < visible else -Float32.inf
             mOut[b, s, col] = score.to(self.dtype)
 
+    @cute.jit
+    def store_invisible(self, mOut: cute.Tensor, b: Int32, group: Int32, half: Int32,
+                        blk_begin: Int32, n_live: Int32, n_local: Int32, wg_tidx: Int32):
+        """-inf for this warpgroup's queries in the split's blocks past the live ones (every
+        entry there is at or past each query's visible count); thread i: entry i."""
+        tokens = mOut.shape[1]
+        for j in cutlass.range(n_live, n_local, unroll=1):
+            col = (blk_begin + j) * BLOCK_N + wg_tidx
+            for k in cutlass.range_constexpr(self.tpw):
+                s = group * self.tokens + half * self.tpw + k
+                if s < tokens and col < mOut.shape[2]:
+                    mOut[b, s, col] = Float32(-Float32.inf).to(self.dtype)
+
 
 @cute.jit
 def index_scores_launcher(stream: cuda.CUstream, q: cute.Tensor, weights: cute.Tensor,
                           keys: cute.Tensor, visible: cute.Tensor, lo: cute.Tensor,
                           out: cute.Tensor, *, splits: cutlass.Constexpr,
                           tokens_per_warpgroup: cutlass.Constexpr,
-                          num_stages: cutlass.Constexpr):
+                          num_stages: cutlass.Constexpr,
+                          skip_invisible: cutlass.Constexpr = False):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
-    IndexScoresSm90(splits, IndexScoresSm90Config(tokens_per_warpgroup, num_stages))(
+    IndexScoresSm90(splits, IndexScoresSm90Config(tokens_per_warpgroup, num_stages,
+                                                  skip_invisible))(
         q, weights, keys, visible, lo, out, stream)
 
 

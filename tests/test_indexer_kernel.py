@@ -122,6 +122,27 @@ def test_kernel_compiles_for_sm90a(tokens_per_warpgroup):
     assert ptx.count("cp.async.cg.shared.global") == 8 * 2 * tpw + BLOCK_N // 8
 
 
+def test_kernel_skipping_invisible_blocks_compiles_for_sm90a():
+    """``skip_invisible``: the same kernel plus one -inf store per query of a warpgroup for
+    the blocks it skips; no local memory."""
+    pytest.importorskip("cutlass")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from dsv4_jax.kernels import index_scores_sm90 as kernel
+    b, s, n, w = (cute.sym_int() for _ in range(4))
+    bf = lambda shape: make_fake_compact_tensor(cutlass.BFloat16, shape, assumed_align=16)
+    i32 = lambda shape: make_fake_compact_tensor(cutlass.Int32, shape, assumed_align=4)
+    compiled = cute.compile(kernel.index_scores_launcher, make_fake_stream(),
+                            bf((b, s, H, D)), bf((b, s, H)), bf((b, n, D)), i32((b, s)),
+                            i32((1,)), bf((b, s, w)), splits=3, tokens_per_warpgroup=2,
+                            num_stages=3, skip_invisible=True)
+    ptx = compiled.artifacts.PTX
+    assert ".target sm_90a" in ptx and ptx.count("wgmma.mma_async") == 16
+    assert ptx.count("st.global") == 4
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
 @pytest.mark.parametrize("has_running", [False, True])
 def test_topk_kernel_compiles_for_sm90a(has_running):
     """Three shared-memory atomics (two histograms, the slot counter), one ballot per round,
@@ -232,6 +253,7 @@ def _reference_block(q, weights, keys, limit, lo, width):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("skip_invisible", [False, True])
 @pytest.mark.parametrize("b, s, n, lo, width", [
     (1, 1, 1024, 0, 1024),        # decode, one block per CTA split
     (8, 1, 5000, 0, 5000),        # decode batch 8, N not a multiple of the block
@@ -240,10 +262,13 @@ def _reference_block(q, weights, keys, limit, lo, width):
     (1, 64, 4096, 0, 4096),       # a prefill chunk
     (1, 300, 2048, 1024, 1024),   # many query groups, one split each
 ])
-def test_scores_equal_the_reference_bit_for_bit(b, s, n, lo, width):
+def test_scores_equal_the_reference_bit_for_bit(b, s, n, lo, width, skip_invisible):
+    """Random visible counts (one row sees everything): with ``skip_invisible`` the CTAs
+    past their queries' counts write -inf without loading keys, the same scores."""
     q, weights, keys, visible = exact_inputs(b, s, n, seed=b + s)
     limit = jnp.minimum(visible, n)
-    got = jax.jit(lambda *a: indexer_sm90.index_scores_cute(*a, jnp.int32(lo), width))(
+    config = IndexScoresSm90Config(skip_invisible=skip_invisible)
+    got = jax.jit(lambda *a: indexer_sm90.index_scores_cute(*a, jnp.int32(lo), width, config))(
         q, weights, keys, limit)
     want = jax.jit(lambda *a: _reference_block(*a, lo, width))(q, weights, keys, limit)
     assert got.shape == (b, s, width) and got.dtype == BF16
