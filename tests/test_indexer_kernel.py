@@ -94,10 +94,12 @@ def test_the_kernel_block_rule():
     assert indexer_sm90.choose_kernel_block(64, 65536, 10000, 1000) == 1024
 
 
-@pytest.mark.parametrize("tokens_per_warpgroup", [1, 2])
-def test_kernel_compiles_for_sm90a(tokens_per_warpgroup):
+@pytest.mark.parametrize("tokens_per_warpgroup, skip_invisible", [(1, False), (2, False),
+                                                                   (2, True)])
+def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, skip_invisible):
     """Per query of a math warpgroup: 8 WGMMAs (K = 128), 16 bf16x2 weight products per row
-    pair, a 28-shuffle reduce-scatter and one score store; no local memory."""
+    pair, a 28-shuffle reduce-scatter and one score store (``skip_invisible``: one more, the
+    -inf of a skipped block); no local memory."""
     pytest.importorskip("cutlass")
     import cutlass
     import cutlass.cute as cute
@@ -109,38 +111,18 @@ def test_kernel_compiles_for_sm90a(tokens_per_warpgroup):
     compiled = cute.compile(kernel.index_scores_launcher, make_fake_stream(),
                             bf((b, s, H, D)), bf((b, s, H)), bf((b, n, D)), i32((b, s)),
                             i32((1,)), bf((b, s, w)), splits=3,
-                            tokens_per_warpgroup=tokens_per_warpgroup, num_stages=3)
+                            tokens_per_warpgroup=tokens_per_warpgroup, num_stages=3,
+                            skip_invisible=skip_invisible)
     ptx = compiled.artifacts.PTX
     tpw = tokens_per_warpgroup
     assert ".target sm_90a" in ptx
     assert ptx.count("wgmma.mma_async") == 8 * tpw
     assert ptx.count("mul.rn.bf16x2") == 2 * (BLOCK_N // 8) * tpw
     assert ptx.count("shfl.sync.bfly") >= 28 * tpw
-    assert ptx.count("st.global") == tpw
+    assert ptx.count("st.global") == tpw * (2 if skip_invisible else 1)
     assert "ld.local" not in ptx and "st.local" not in ptx
     # Q tiles (8 rows per pass, 64 rows per query) and the key block, 16 B each
     assert ptx.count("cp.async.cg.shared.global") == 8 * 2 * tpw + BLOCK_N // 8
-
-
-def test_kernel_skipping_invisible_blocks_compiles_for_sm90a():
-    """``skip_invisible``: the same kernel plus one -inf store per query of a warpgroup for
-    the blocks it skips; no local memory."""
-    pytest.importorskip("cutlass")
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
-    from dsv4_jax.kernels import index_scores_sm90 as kernel
-    b, s, n, w = (cute.sym_int() for _ in range(4))
-    bf = lambda shape: make_fake_compact_tensor(cutlass.BFloat16, shape, assumed_align=16)
-    i32 = lambda shape: make_fake_compact_tensor(cutlass.Int32, shape, assumed_align=4)
-    compiled = cute.compile(kernel.index_scores_launcher, make_fake_stream(),
-                            bf((b, s, H, D)), bf((b, s, H)), bf((b, n, D)), i32((b, s)),
-                            i32((1,)), bf((b, s, w)), splits=3, tokens_per_warpgroup=2,
-                            num_stages=3, skip_invisible=True)
-    ptx = compiled.artifacts.PTX
-    assert ".target sm_90a" in ptx and ptx.count("wgmma.mma_async") == 16
-    assert ptx.count("st.global") == 4
-    assert "ld.local" not in ptx and "st.local" not in ptx
 
 
 @pytest.mark.parametrize("has_running", [False, True])
