@@ -12,11 +12,17 @@
 #   tests:    GPU tests of the grouped-GEMM op at the model's shapes and of the model
 #   prefill:  decode_step.py --prefill at CHUNKS (4096)
 #   moe_tests: the routed experts' GPU tests (tests/test_moe.py), two processes
+#   checks:   GPU tests of the FP8 cache, the model and the indexer kernels, three processes
+#             (a test hanging past HANG_S (300) s dumps its stack into the log)
 #   long:     long_context.py: a CHUNK (4096) chunk at PREFIXES (0,32768,131072), a PROMPT-token
 #             dj.generate (0: skipped), decode at DECODE_CTXS (none) x BATCHES
+# Compiled kernels come from .kcache/kernels.tar when carried and go back in $OUT/kernels.tar
+# (benchmarks/kernel_cache.sh).
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DSV4_KERNEL_CACHE=/tmp/dsv4_kernels
+# Kernels compiled by an earlier call (.kcache/kernels.tar, carried): benchmarks/kernel_cache.sh
+source benchmarks/kernel_cache.sh && kernel_cache_restore
 python3 -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
 python3 -c "import jax, dsv4_jax.ffi, cutlass; print('jax', jax.__version__, jax.devices())" || exit 1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -51,6 +57,14 @@ for what in "$@"; do
         tests/test_model_gpu.py \
         >"$OUT/gpu_tests.log" 2>&1
       grep -E " passed| failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -30 ;;
+    checks)   # the FP8 cache, the model and the indexer kernels' GPU tests, three processes
+      for file in test_kv_fp8 test_model_gpu test_indexer_kernel; do
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
+          timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -n 0 \
+          -o faulthandler_timeout=${HANG_S:-300} tests/$file.py >"$OUT/$file.log" 2>&1 &
+      done
+      wait
+      tail -n 3 "$OUT"/test_kv_fp8.log "$OUT"/test_model_gpu.log "$OUT"/test_indexer_kernel.log ;;
     moe_tests)   # the routed experts' GPU cases, two processes on the one GPU
       for part in "decode_kernels" "not decode_kernels"; do
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" timeout ${TEST_TIMEOUT:-420} \
@@ -62,3 +76,4 @@ for what in "$@"; do
     *) echo "unknown mode $what"; exit 2 ;;
   esac
 done
+kernel_cache_save
