@@ -184,7 +184,7 @@ def stream(model, params, prompts, max_new_tokens: int | None = None,
            chat: bool = False, tools: list | None = None, thinking: bool = False,
            drop_thinking: bool = True, reasoning_effort: str | None = None,
            prefill_chunk: int | None = None, prefill_progress: bool = False,
-             kv_dtype: str | None = None,
+           kv_dtype: str | None = None,
            options: GenerationOptions | None = None,
            chat_options: ChatOptions | None = None) -> Iterator[StreamEvent]:
     """Like ``generate`` (the same arguments) but yields a ``StreamEvent`` per new token
@@ -218,7 +218,7 @@ def _stream(model, params, prompts, options: GenerationOptions, *,
     budget = jnp.int32(prep.budget)
     text = _IncrementalText(prep.tokenizer, len(prep.lengths), set(prep.stop_tokens.tolist()))
     cache = Cache.init(model.config, len(prep.lengths), prep.max_len,
-                           kv_dtype=options.kv_dtype)
+                       kv_dtype=options.kv_dtype)
     first, first_lp, state, count, done, cache = _prefill(programs, params, prep, cache, key,
                                                           stop, options)
     tokens, lps, now_done = np.asarray(first)[:, None], np.asarray(first_lp)[:, None], done
