@@ -18,7 +18,8 @@ Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups WG1, WG2
    before the block is committed, one block behind its copies (``Fp8EntryGather``), so the
    math warpgroups see exactly the BF16 rows the rows encode.
 2. S = Q K^T (WGMMA m64 x block_n, A = Q and B = entries from smem), in one of two ways:
-   * split (``qk_split``; the default without flash-decoding splits): math warpgroup w
+   * split (``qk_split``; the default without flash-decoding splits or FP8 rows, refused with
+     those: it would deadlock against their late commit): math warpgroup w
      multiplies head_dim slice [256w, 256w + 256) only, stores its fp32 partial block in smem
      and adds the other's (named barriers: both written, each buffer read), so QK^T is done
      once. Both warpgroups then hold bitwise-identical scores. The next block's partial QK^T
@@ -90,6 +91,9 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
         # raises ValueError for a configuration (or ablation) the kernel does not offer
         config = SparseAttentionSm90Config(block_n, num_stages, qk_split, ablation)
         assert config.smem_bytes() <= SMEM_BYTES
+        if qk_split and extra_fp8 and has_extra:
+            raise ValueError("SparseAttentionSm90: qk_split=True with an FP8 second pool "
+                             "would deadlock (see SparseAttentionSm90Config.is_supported)")
         self.qk_split = qk_split
         self.ablation = ablation
         self.num_heads = num_heads
