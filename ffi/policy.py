@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
                                                   DEFAULT_PREFILL_ALGORITHM,
                                                   MAX_SPLIT_K, PREFILL_ALGORITHMS)
+from dsv4_jax.kernels.sparse_attention_config import SparseAttentionSm90Config
 from .registry import KERNEL, REFERENCE, check_implementation, op_spec
 
 IMPLEMENTATION_ENV_VAR = "DSV4_IMPLEMENTATION"
@@ -98,10 +99,14 @@ class KernelPolicy:
     ops: per-op implementations overriding the default, ``{"sparse_attention": "xla"}``
       (a mapping or pairs; stored as sorted pairs so the value stays hashable).
     grouped_gemm: the grouped GEMM's ``GroupedGemmPolicy``.
+    sparse_attention: the attention kernel's ``SparseAttentionSm90Config`` (None: its default,
+      ``qk_split`` decided per launch). Pinning ``qk_split`` makes launches over a BF16 and an
+      FP8 compressed table schedule alike, so their outputs compare bit for bit.
     """
     implementation: str | None = None
     ops: tuple[tuple[str, str], ...] = ()
     grouped_gemm: GroupedGemmPolicy = GroupedGemmPolicy()
+    sparse_attention: SparseAttentionSm90Config | None = None
 
     def __post_init__(self):
         if self.implementation not in (None, REFERENCE, KERNEL):
@@ -111,6 +116,9 @@ class KernelPolicy:
         if not isinstance(self.grouped_gemm, GroupedGemmPolicy):
             raise TypeError(f"KernelPolicy: grouped_gemm must be a GroupedGemmPolicy, got "
                             f"{type(self.grouped_gemm).__name__}")
+        if not isinstance(self.sparse_attention, (SparseAttentionSm90Config, type(None))):
+            raise TypeError(f"KernelPolicy: sparse_attention must be a SparseAttentionSm90Config "
+                            f"or None, got {type(self.sparse_attention).__name__}")
 
     def implementation_for(self, op: str) -> str | None:
         """The implementation ``op`` runs under this policy (``ops`` first, then the default).

@@ -207,7 +207,8 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
                   jax.ShapeDtypeStruct(part_o, jnp.float32),
                   jax.ShapeDtypeStruct(part_lse, jnp.float32))
     static = dict(num_heads=h, softmax_scale=float(scale), num_splits=splits,
-                  has_extra=has_extra, extra_fp8=kv_entry.is_fp8_table(extra_kv), block_n=launch.block_n, num_stages=launch.num_stages,
+                  has_extra=has_extra, extra_fp8=kv_entry.is_fp8_table(extra_kv),
+                  block_n=launch.block_n, num_stages=launch.num_stages,
                   qk_split=launch.qk_split, ablation=launch.ablation)
     inputs = (q, kv, idx, extra_kv, extra_idx, sink.astype(jnp.float32))
     if launch.poison is None:
@@ -222,7 +223,7 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
 
 
 def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
-                     implementation=None):
+                     implementation=None, config: SparseAttentionSm90Config | None = None):
     """Sparse MQA attention with sink; see the module docstring for the contract.
 
     ``implementation``: ``"cute"`` (the Hopper kernel; raises ``ValueError`` when it does not
@@ -231,6 +232,10 @@ def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
     and it supports the arguments, else the reference).
     """
     check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx)
+    if not isinstance(config, (SparseAttentionSm90Config, type(None))):
+        raise TypeError(f"sparse_attention: config must be a SparseAttentionSm90Config or None, "
+                        f"got {type(config).__name__}")
+    config = DEFAULT_CONFIG if config is None else config
 
     def reference(q, kv, idx, sink, extra_kv, extra_idx):
         return sparse_attention_reference(q, kv, idx, sink, extra_kv=extra_kv,
@@ -238,11 +243,11 @@ def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
 
     def kernel(q, kv, idx, sink, extra_kv, extra_idx):
         return sparse_attention_cute(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
-                                     scale=scale)
+                                     scale=scale, config=config)
 
     return dispatch("sparse_attention", implementation,
                     lambda: _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
-                                     scale=scale),
+                                     scale=scale, config=config),
                     reference, kernel, q, kv, idx, sink, extra_kv, extra_idx)
 
 

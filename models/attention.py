@@ -49,12 +49,14 @@ def window_indices(lengths: jax.Array, seq: int, window: int) -> jax.Array:
     return jnp.where(p >= 0, local, -1).astype(jnp.int32)
 
 
-def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementation):
+def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementation,
+                config=None):
     """The sparse attention of a batch of rows, per-row indices made global for the op.
 
     q [B,S,H,c]; pool [B,W+S,c] window pool; win_idx [B,S,W] into the row's pool; table
     [B,N,c] compressed entries, [B,N,584] uint8 FP8 rows (the op decodes the rows it reads)
-    or None; selected [B,S,K2] entry ids (-1 unused) -> o [B,S,H,c].
+    or None; selected [B,S,K2] entry ids (-1 unused) -> o [B,S,H,c]. ``config``: the
+    kernel's ``SparseAttentionSm90Config`` (``KernelPolicy.sparse_attention``).
     """
     b, s, h, c = q.shape
     offset = jnp.arange(b, dtype=jnp.int32)[:, None, None] * pool.shape[1]
@@ -69,7 +71,7 @@ def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementatio
             extra_kv = extra_kv.astype(q.dtype)
     o, _ = sparse_attention(q.reshape(b * s, h, c), pool.reshape(-1, c).astype(q.dtype), win,
                             sink, extra_kv=extra_kv, extra_idx=extra_idx, scale=scale,
-                            implementation=implementation)
+                            implementation=implementation, config=config)
     return o.reshape(b, s, h, c)
 
 
@@ -216,7 +218,8 @@ class Attention(nn.Module):
         sink = self.param("attn_sink", normal_init(0.5), (h,), jnp.float32)
         attend = functools.partial(
             attend_rows, scale=cfg.softmax_scale,
-            implementation=self.policy.implementation_for("sparse_attention"))
+            implementation=self.policy.implementation_for("sparse_attention"),
+            config=self.policy.sparse_attention)
         if self.mesh is None:
             o = attend(q, pool, win_idx, table, sel, sink)
         else:       # data parallel: every device attends its own rows with local indices

@@ -116,6 +116,8 @@ def test_kernel_variables_parse_into_the_grouped_gemm_policy():
     (lambda: KernelPolicy(ops={"moe_experts": "fast"}), ValueError,
      r"moe_experts: implementation must be one of \('xla', 'cute'\) or None, got 'fast'"),
     (lambda: KernelPolicy(ops=3), TypeError, "KernelPolicy: ops must map op names"),
+    (lambda: KernelPolicy(sparse_attention=(64, 2)), TypeError,
+     "KernelPolicy: sparse_attention must be a SparseAttentionSm90Config or None, got tuple"),
     (lambda: GroupedGemmPolicy(decode_algorithm="simt"), ValueError,
      r"GroupedGemmPolicy: decode_algorithm must be one of \('wgmma', 'mma_sync', 'mma_fp8', "
      r"'mma_fp8_stream', 'wgmma_fp8'\), got 'simt'"),

@@ -165,6 +165,30 @@ def test_the_kernel_refuses_a_split_qk_config_for_fp8_rows():
                               config=SparseAttentionSm90Config(64, 2, True))
 
 
+def test_the_policys_attention_config_reaches_the_models_kernel():
+    """``KernelPolicy.sparse_attention`` is the config the model's attention launches with:
+    a split QK^T over FP8 tables is refused when the decode step is lowered."""
+    from dsv4_jax.ffi import dispatch
+    from dsv4_jax.params import abstract_params
+    cfg = dj.Config.tiny(n_heads=64, o_groups=8)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256, kv_dtype="fp8"))
+    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
+    for config, ok in ((SparseAttentionSm90Config(64, 2, False), True),
+                       (SparseAttentionSm90Config(64, 2, True), False)):
+        policy = dj.KernelPolicy(implementation="xla", ops={"sparse_attention": "cute"},
+                                 sparse_attention=config)
+        model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
+        step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
+        with dispatch.cuda_target():
+            if ok:
+                text = step.trace(abstract_params(cfg), tok, cache).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                assert "custom_call @CuteDSLRT" in text
+            else:
+                with pytest.raises(ValueError, match="qk_split=True with an FP8 second pool"):
+                    step.trace(abstract_params(cfg), tok, cache)
+
+
 def test_op_rejects_fp8_rows_of_another_width():
     q, kv, idx, sink, rows, xidx = op_case(2, 2, 4, 8, 8, 10, 10)
     with pytest.raises(ValueError, match=r"uint8 extra_kv must be \[M, W\] FP8 entry rows"):
@@ -279,7 +303,10 @@ def test_kernel_on_fp8_rows_equals_the_kernel_on_their_bf16_values(t, h, k, k2, 
     """The kernel widens each row to exactly the BF16 row the BF16 pool holds, so both launches
     compute the same thing in the same order: equal bit for bit (and near the reference)."""
     q, kv, idx, sink, rows, xidx = op_case(10 + t, t, h, k, k2, n, m)
-    poisoned = dataclasses.replace(config, poison=float("nan"))
+    # FP8 rows never split QK^T (``resolve``); the BF16 launch is pinned to the same schedule,
+    # or a QK^T split there would sum in another order
+    pinned = config if config.qk_split is not None else dataclasses.replace(config, qk_split=False)
+    poisoned = dataclasses.replace(pinned, poison=float("nan"))
     f = jax.jit(lambda q, kv, i, s, x, xi: sparse_attention_cute(
         q, kv, i, s, extra_kv=x, extra_idx=xi, scale=SCALE, config=poisoned))
     o8, lse8 = f(q, kv, idx, sink, rows, xidx)
@@ -301,9 +328,11 @@ def test_kernel_on_fp8_rows_equals_the_kernel_on_their_bf16_values(t, h, k, k2, 
 @pytest.mark.gpu
 def test_model_on_gpu_with_an_fp8_cache_gives_the_bf16_caches_logits():
     """The attention kernel in the model (64 heads) reading the FP8 table: the same logits
-    as with the BF16 table, prefill and decode, bit for bit."""
+    as with the BF16 table, prefill and decode, bit for bit, once both launch with the
+    schedule FP8 rows take (no QK^T split; by default a BF16 prefill launch splits it)."""
     cfg = dj.Config.tiny(n_heads=64, o_groups=8, quantized=True)
-    model = dj.DSV4(cfg, runtime_checks=False)
+    policy = dj.KernelPolicy(sparse_attention=Sm90(64, 2, False))
+    model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
     params = dj.init_params(cfg, 0)
     toks = jax.random.randint(jax.random.key(0), (2, 160), 0, cfg.vocab_size)
     out = {}
