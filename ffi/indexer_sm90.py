@@ -11,9 +11,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, MAX_TOPK,
-                                                  SPLIT_SEGMENT, MAX_SEGMENTS,
-                                                  IndexScoresSm90Config)
+from dsv4_jax.kernels.index_scores_config import (BLOCK_N, MAX_SEGMENTS, MAX_TOPK,
+                                                  SPLIT_SEGMENT, IndexScoresSm90Config,
+                                                  choose_config)
 from .indexer_reference import (TOP_K_ROWS, _cdiv, blocked_topk, check_index_topk_args,
                                 select_reference)
 
@@ -44,9 +44,11 @@ def choose_kernel_block(b: int, s: int, n: int, k: int) -> int:
 
 
 def support(q, weights, keys, visible, k=None, block=None,
-            config: IndexScoresSm90Config = DEFAULT_CONFIG) -> tuple[bool, str]:
-    """``config.is_supported`` for these arguments; imports no cutlass."""
+            config: IndexScoresSm90Config | None = None) -> tuple[bool, str]:
+    """``config.is_supported`` for these arguments (None: ``choose_config``); imports no
+    cutlass."""
     b, s, h, d = q.shape
+    config = choose_config(s) if config is None else config
     n = keys.shape[1]
     width = n if block is None else min(block, n)
     return config.is_supported(heads=h, dim=d, dtype=jnp.dtype(q.dtype).name,
@@ -62,8 +64,8 @@ def index_scores_cute(q, weights, keys, limit, lo, width: int,
     from .cute_call import cute_call
     from dsv4_jax.kernels import index_scores_sm90 as kernel
 
-    config = config or DEFAULT_CONFIG
     b, s = q.shape[:2]
+    config = choose_config(s) if config is None else config
     _, splits, _ = config.grid(b, s, width)
     out = jax.ShapeDtypeStruct((b, s, width), jnp.bfloat16)
     res = cute_call(kernel.index_scores_launcher, (out,), q, weights, keys,
@@ -145,7 +147,8 @@ def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = No
     n = keys.shape[1]
     if n == 0:
         return jnp.full((b, s, 0), -1, jnp.int32)
-    ok, reason = support(q, weights, keys, visible, k, block, config or DEFAULT_CONFIG)
+    config = choose_config(s) if config is None else config
+    ok, reason = support(q, weights, keys, visible, k, block, config)
     if not ok:
         raise ValueError(f"index_topk: the kernel does not take these arguments: {reason}")
     kk = min(k, n)

@@ -91,4 +91,15 @@ class IndexScoresSm90Config:
         return True, ""
 
 
-DEFAULT_CONFIG = IndexScoresSm90Config()
+# Skipping invisible blocks costs nothing when every block is visible (docs/performance.md,
+# "The score kernel's decode configuration"), so every chosen config skips.
+DEFAULT_CONFIG = IndexScoresSm90Config(skip_invisible=True)
+# A row of one or two queries (a decode or speculative step) fills only one query slot of a
+# (2, 3) CTA per warpgroup: one slot and two stages leave the smem that lets two CTAs share
+# an SM, which streams the keys faster (same section).
+DECODE_CONFIG = IndexScoresSm90Config(tokens_per_warpgroup=1, num_stages=2, skip_invisible=True)
+
+
+def choose_config(tokens: int) -> IndexScoresSm90Config:
+    """The launch configuration for rows of ``tokens`` queries."""
+    return DECODE_CONFIG if tokens <= DECODE_CONFIG.tokens_per_cta else DEFAULT_CONFIG

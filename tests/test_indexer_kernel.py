@@ -13,8 +13,9 @@ from dsv4_jax.ffi import dispatch, index_topk
 from dsv4_jax.ffi import indexer_sm90
 from dsv4_jax.ffi.indexer_reference import _scores, select_reference
 from dsv4_jax.ffi.policy import KernelPolicy
-from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DEFAULT_CONFIG, SMEM_BYTES,
-                                                  TARGET_CTAS, IndexScoresSm90Config)
+from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DECODE_CONFIG, DEFAULT_CONFIG,
+                                                  SMEM_BYTES, TARGET_CTAS,
+                                                  IndexScoresSm90Config, choose_config)
 from dsv4_jax.params import abstract_params
 
 BF16 = jnp.bfloat16
@@ -62,6 +63,11 @@ def test_config_limits_and_grid():
     groups, splits, batch = DEFAULT_CONFIG.grid(8, 1, 262144)
     assert (groups, batch) == (1, 8) and splits * 8 >= TARGET_CTAS and splits * 7 < TARGET_CTAS
     assert DEFAULT_CONFIG.grid(1, 1, 300) == (1, 3, 1)            # never more than the blocks
+    # a decode or speculative row takes one query per warpgroup, a longer one the default
+    assert choose_config(1) == choose_config(2) == DECODE_CONFIG
+    assert DECODE_CONFIG.tokens_per_cta == 2 and DECODE_CONFIG.skip_invisible
+    assert choose_config(3) == DEFAULT_CONFIG and DEFAULT_CONFIG.skip_invisible
+    assert DECODE_CONFIG.smem_bytes() <= SMEM_BYTES
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -94,9 +100,9 @@ def test_the_kernel_block_rule():
     assert indexer_sm90.choose_kernel_block(64, 65536, 10000, 1000) == 1024
 
 
-@pytest.mark.parametrize("tokens_per_warpgroup, skip_invisible", [(1, False), (2, False),
-                                                                   (2, True)])
-def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, skip_invisible):
+@pytest.mark.parametrize("tokens_per_warpgroup, num_stages, skip_invisible", [
+    (1, 3, False), (2, 3, False), (2, 3, True), (1, 2, True)])     # the last two: chosen ones
+def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, num_stages, skip_invisible):
     """Per query of a math warpgroup: 8 WGMMAs (K = 128), 16 bf16x2 weight products per row
     pair, a 28-shuffle reduce-scatter and one score store (``skip_invisible``: one more, the
     -inf of a skipped block); no local memory."""
@@ -111,7 +117,7 @@ def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, skip_invisible):
     compiled = cute.compile(kernel.index_scores_launcher, make_fake_stream(),
                             bf((b, s, H, D)), bf((b, s, H)), bf((b, n, D)), i32((b, s)),
                             i32((1,)), bf((b, s, w)), splits=3,
-                            tokens_per_warpgroup=tokens_per_warpgroup, num_stages=3,
+                            tokens_per_warpgroup=tokens_per_warpgroup, num_stages=num_stages,
                             skip_invisible=skip_invisible)
     ptx = compiled.artifacts.PTX
     tpw = tokens_per_warpgroup
@@ -235,7 +241,8 @@ def _reference_block(q, weights, keys, limit, lo, width):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("skip_invisible", [False, True])
+@pytest.mark.parametrize("config", [IndexScoresSm90Config(), DEFAULT_CONFIG, DECODE_CONFIG],
+                         ids=["2x3", "2x3-skip", "1x2-skip"])
 @pytest.mark.parametrize("b, s, n, lo, width", [
     (1, 1, 1024, 0, 1024),        # decode, one block per CTA split
     (8, 1, 5000, 0, 5000),        # decode batch 8, N not a multiple of the block
@@ -244,12 +251,11 @@ def _reference_block(q, weights, keys, limit, lo, width):
     (1, 64, 4096, 0, 4096),       # a prefill chunk
     (1, 300, 2048, 1024, 1024),   # many query groups, one split each
 ])
-def test_scores_equal_the_reference_bit_for_bit(b, s, n, lo, width, skip_invisible):
+def test_scores_equal_the_reference_bit_for_bit(b, s, n, lo, width, config):
     """Random visible counts (one row sees everything): with ``skip_invisible`` the CTAs
     past their queries' counts write -inf without loading keys, the same scores."""
     q, weights, keys, visible = exact_inputs(b, s, n, seed=b + s)
     limit = jnp.minimum(visible, n)
-    config = IndexScoresSm90Config(skip_invisible=skip_invisible)
     got = jax.jit(lambda *a: indexer_sm90.index_scores_cute(*a, jnp.int32(lo), width, config))(
         q, weights, keys, limit)
     want = jax.jit(lambda *a: _reference_block(*a, lo, width))(q, weights, keys, limit)
