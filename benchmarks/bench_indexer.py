@@ -21,7 +21,8 @@ floors of the same row: FLOPs = 2 B S H N D at
 (the kernel's scores merged by XLA's top-k in parts / by the split top-k kernels whatever the
 row count), ``cute@TxS`` (the op's kernels with the score kernel's ``IndexScoresSm90Config``
 of T queries per math warpgroup and S key stages, e.g. ``cute@1x4``; ``cute@2x3s``: with
-``skip_invisible``). ``--visible V``: each row sees only its first V entries (a short
+``skip_invisible``); a ``:fp4`` suffix (``cute:fp4``, ``xla:fp4``) gives the op the keys
+as MXFP4 rows (``kv_entry.encode_index_keys``: the ``kv_dtype="fp8"`` cache's). ``--visible V``: each row sees only its first V entries (a short
 context in a long table; default: all). ``--ops N`` lists each call's N longest device ops.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
@@ -38,6 +39,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax import kv_entry
 from dsv4_jax.ffi import index_topk, indexer_sm90
 from dsv4_jax.ffi.indexer_reference import choose_block, select_reference
 from dsv4_jax.kernels.index_scores_config import IndexScoresSm90Config
@@ -65,9 +67,12 @@ def make_inputs(b, s, n, heads=HEADS, dim=DIM, seed=0, visible=None):
 
 
 def floors_us(b, s, n, heads=HEADS, dim=DIM):
+    """(FLOP floor, byte floor with bf16 keys, byte floor with MXFP4 key rows), us."""
     flops = 2.0 * b * s * heads * n * dim
-    nbytes = 2.0 * (b * n * dim + b * s * heads * (dim + 1))
-    return flops / (PEAK_TFLOPS * 1e12) * 1e6, nbytes / (PEAK_TBPS * 1e12) * 1e6
+    others = 2.0 * b * s * heads * (dim + 1)
+    key_bytes = (2.0 * dim, float(kv_entry.index_key_bytes(dim)))
+    return (flops / (PEAK_TFLOPS * 1e12) * 1e6,
+            *((b * n * k + others) / (PEAK_TBPS * 1e12) * 1e6 for k in key_bytes))
 
 
 # Implementations besides the op's own ("xla", "cute"): the kernel's scores with another merge.
@@ -77,7 +82,12 @@ MERGES = {"cute+xla-topk": select_reference,
 
 def time_op(args, impl, runs):
     """(wall us of one call, each waited for; device us of one traced call: the sum of its
-    device ops, without the host's launch and wait; that call's us and calls per op)."""
+    device ops, without the host's launch and wait; that call's us and calls per op).
+    ``impl:fp4``: the keys as MXFP4 rows (``kv_entry``, the ``kv_dtype="fp8"`` cache's)."""
+    if impl.endswith(":fp4"):
+        q, weights, keys, visible = args
+        args = jax.block_until_ready((q, weights, kv_entry.encode_index_keys(keys), visible))
+        impl = impl[:-len(":fp4")]
     if impl in MERGES or impl.startswith("cute@"):
         select, config = MERGES.get(impl), None
         if impl.startswith("cute@"):   # cute@TxS[s]: tokens per warpgroup x stages [skip]
@@ -131,8 +141,8 @@ def main(argv=None):
     lines = [f"bench_indexer {datetime.date.today()} {jax.devices()[0].device_kind}: "
              f"{' '.join(sys.argv[1:])}", "",
              "| case | B | S | N | " + " | ".join(f"{i}: wall / device (us)" for i in impls)
-             + " | FLOP floor (us) | byte floor (us) |",
-             "|---|---|---|---|" + "---|" * (len(impls) + 2)]
+             + " | FLOP floor (us) | byte floor (us) | byte floor, FP4 keys (us) |",
+             "|---|---|---|---|" + "---|" * (len(impls) + 3)]
     part_lines, op_lines = [], []
     for case in args.cases.split(","):
         for b, s, n in cases[case]:
@@ -147,9 +157,9 @@ def main(argv=None):
                                         f"{us:.1f} | {counts[op]} |")
                 except Exception as err:  # noqa: BLE001 -- a row's failure is reported in it
                     cells.append("OOM" if is_oom(err) else f"error: {type(err).__name__}")
-            flop_us, byte_us = floors_us(b, s, n)
+            flop_us, byte_us, fp4_us = floors_us(b, s, n)
             lines.append(f"| {case} | {b} | {s} | {n} | " + " | ".join(cells)
-                         + f" | {flop_us:.1f} | {byte_us:.1f} |")
+                         + f" | {flop_us:.1f} | {byte_us:.1f} | {fp4_us:.1f} |")
             print(lines[-1], flush=True)
             if args.parts:
                 width, blocks, rows = time_parts(b, s, n, inputs, args.runs)

@@ -12,7 +12,8 @@ Per layer (``LayerCache``):
   uint8 [B, max_len // m, 584]: each entry in the official FP8 layout (``kv_entry``),
   which holds the same values as the BF16 entry under ``quant_simulation``.
 * CSA layers also: ``index_kv_state``/``index_score_state`` [B, 8, 2*Di] and
-  ``index_keys`` [B, max_len // 4, Di] for the lightning indexer.
+  ``index_keys`` [B, max_len // 4, Di] for the lightning indexer -- or, with
+  ``kv_dtype="fp8"``, ``[B, max_len // 4, 72]`` uint8 MXFP4 rows (``dsv4_jax.kv_entry``).
 
 ``lengths [B]`` counts the tokens each row has consumed; the MTP block (speculative drafting)
 has its own rings and ``mtp_lengths``. Everything is data: jitted steps take the cache and
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from .config import CSA_RATIO, Config, compressor_overlap
-from .kv_entry import check_kv_dtype, entry_bytes, is_fp8_table
+from .kv_entry import check_kv_dtype, entry_bytes, index_key_bytes, is_fp8_table
 from .mesh_rules import cache_shardings
 
 __all__ = ["Cache", "LayerCache"]
@@ -85,7 +86,11 @@ def init_layer_cache(cfg: Config, layer_id: int, batch: int, max_len: int, dtype
     if kind == "hca":
         return LayerCache(window, kv_state, score_state, compressed)
     ikv, isc = _compressor_state(batch, CSA_RATIO, cfg.index_head_dim)
-    keys = _empty((batch, max_len // CSA_RATIO, cfg.index_head_dim), dtype)
+    if kv_dtype == "fp8":
+        keys = _empty((batch, max_len // CSA_RATIO, index_key_bytes(cfg.index_head_dim)),
+                      jnp.uint8)
+    else:
+        keys = _empty((batch, max_len // CSA_RATIO, cfg.index_head_dim), dtype)
     return LayerCache(window, kv_state, score_state, compressed, ikv, isc, keys)
 
 
@@ -104,8 +109,9 @@ class Cache:
 
         ``dtype`` defaults to ``cfg.dtype``. ``kv_dtype="fp8"`` stores the compressed entries
         of CSA/HCA layers as 584-byte FP8 rows (the official layout, ``dsv4_jax.kv_entry``:
-        1.75x smaller than BF16; needs ``dtype`` bfloat16); the window rings stay in
-        ``dtype``. With ``mesh`` the arrays are created directly with the batch sharded over
+        1.75x smaller than BF16; needs ``dtype`` bfloat16) and the CSA layers' index keys as
+        72-byte MXFP4 rows (3.6x smaller; both exact under the FP8/FP4 simulation); the
+        window rings stay in ``dtype``. With ``mesh`` the arrays are created directly with the batch sharded over
         the mesh's data axis (see ``dsv4_jax.sharding``).
         """
         if not isinstance(batch, int) or batch <= 0:
@@ -113,7 +119,10 @@ class Cache:
         if not isinstance(max_len, int) or max_len <= 0:
             raise ValueError(f"Cache.init: max_len must be a positive int, got {max_len!r}")
         dtype = jnp.dtype(dtype or cfg.dtype)
-        kv_dtype = check_kv_dtype(kv_dtype, cfg.head_dim, cfg.rope_head_dim, dtype)
+        has_csa = any(cfg.layer_kind(i) == "csa"
+                      for i in range(cfg.n_layers + cfg.n_mtp_layers))
+        kv_dtype = check_kv_dtype(kv_dtype, cfg.head_dim, cfg.rope_head_dim, dtype,
+                                  cfg.index_head_dim if has_csa else None)
 
         def build():
             layers = tuple(init_layer_cache(cfg, i, batch, max_len, dtype, kv_dtype)

@@ -13,18 +13,31 @@ Codes and scales are the KV entry's FP8 simulation (``quant.fp8_simulate`` in bl
 power-of-two scales, round-to-nearest-even codes), so ``decode(encode(x))`` is that
 simulation of the no-RoPE dims and the BF16 rounding of the RoPE dims, bit for bit: with
 ``quant_simulation`` on, an FP8 cache holds exactly the values a BF16 cache holds.
+
+The same cache (``kv_dtype="fp8"``) keeps the lightning indexer's keys (width Di, 128 in
+DSV4) as MXFP4 rows of ``index_key_bytes(Di)`` bytes (72) instead of 2 Di of BF16:
+
+    [0, Di/2)              the e2m1 codes, two per byte, the lower dim in the low nibble
+    [Di/2, Di/2 + Di/32)   one E8M0 byte per 32 dims: the block's scale 2^(E - 127)
+    then zero bytes up to a multiple of 8
+
+the reference's FP4 simulation of the keys (``quant.fp4_simulate`` in blocks of 32), so
+``decode_index_keys(encode_index_keys(x))`` is that simulation, bit for bit.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from .quant import FP8_DTYPE, act_quant, e8m0_to_f32
+from .quant import (FP4_DTYPE, FP4_MAX, FP8_DTYPE, _block_scale, _blocked, act_quant,
+                    e8m0_to_f32, pack_fp4, unpack_fp4)
 
-__all__ = ["KV_DTYPES", "SCALE_BLOCK", "entry_bytes", "rope_dim_of", "encode", "decode",
-           "is_fp8_table", "check_kv_dtype"]
+__all__ = ["KV_DTYPES", "SCALE_BLOCK", "INDEX_SCALE_BLOCK", "entry_bytes", "rope_dim_of",
+           "encode", "decode", "index_key_bytes", "encode_index_keys", "decode_index_keys",
+           "is_fp8_table", "is_index_key_rows", "check_kv_dtype"]
 
 SCALE_BLOCK = 64                       # no-RoPE dims per E8M0 scale
+INDEX_SCALE_BLOCK = 32                 # index key dims per E8M0 scale (MXFP4)
 KV_DTYPES = (None, "fp8")              # ``Cache.init(kv_dtype=...)``: None = the cache dtype
 
 
@@ -85,18 +98,65 @@ def decode(rows: jax.Array, head_dim: int, dtype=jnp.bfloat16) -> jax.Array:
                            axis=-1)
 
 
+def index_key_bytes(dim: int) -> int:
+    """Bytes of one MXFP4 index key row of ``dim`` dims: codes and scales, padded to 8."""
+    if dim < INDEX_SCALE_BLOCK or dim % INDEX_SCALE_BLOCK:
+        raise ValueError(f"MXFP4 index keys need a width that is a multiple of "
+                         f"{INDEX_SCALE_BLOCK}; got {dim}")
+    raw = dim // 2 + dim // INDEX_SCALE_BLOCK
+    return -(-raw // 8) * 8
+
+
+def encode_index_keys(x: jax.Array) -> jax.Array:
+    """Index keys ``[..., Di]`` (any float dtype) -> uint8 rows ``[..., index_key_bytes(Di)]``,
+    quantised as ``quant.fp4_simulate`` does."""
+    dim = x.shape[-1]
+    width = index_key_bytes(dim)
+    xb = _blocked(x.astype(jnp.float32), INDEX_SCALE_BLOCK)
+    scales = _block_scale(xb, 6.0 * 2.0 ** -126, FP4_MAX)
+    codes = jnp.clip(xb / scales, -FP4_MAX, FP4_MAX).astype(FP4_DTYPE).astype(jnp.float32)
+    code_bytes = jax.lax.bitcast_convert_type(pack_fp4(codes.reshape(x.shape)), jnp.uint8)
+    exponent = (jax.lax.bitcast_convert_type(scales[..., 0], jnp.uint32) >> 23) & 0xFF
+    pad = jnp.zeros((*x.shape[:-1], width - dim // 2 - dim // INDEX_SCALE_BLOCK), jnp.uint8)
+    return jnp.concatenate([code_bytes, exponent.astype(jnp.uint8), pad], axis=-1)
+
+
+def decode_index_keys(rows: jax.Array, dim: int, dtype=jnp.bfloat16) -> jax.Array:
+    """uint8 rows ``[..., index_key_bytes(dim)]`` -> keys ``[..., dim]`` in ``dtype``
+    (exact for BF16)."""
+    if rows.shape[-1] != index_key_bytes(dim):
+        raise ValueError(f"kv_entry.decode_index_keys: rows of {rows.shape[-1]} bytes are no "
+                         f"MXFP4 index key layout of width {dim} "
+                         f"({index_key_bytes(dim)} bytes)")
+    lead = rows.shape[:-1]
+    codes = unpack_fp4(rows[..., :dim // 2])
+    scales = e8m0_to_f32(rows[..., dim // 2:dim // 2 + dim // INDEX_SCALE_BLOCK])
+    values = codes.reshape(*lead, dim // INDEX_SCALE_BLOCK, INDEX_SCALE_BLOCK) * scales[..., None]
+    return values.astype(dtype).reshape(*lead, dim)
+
+
+def is_index_key_rows(table, dim: int) -> bool:
+    """Whether a table of index keys of width ``dim`` holds MXFP4 rows."""
+    return (table is not None and jnp.dtype(table.dtype) == jnp.uint8
+            and table.shape[-1] == index_key_bytes(dim))
+
+
 def is_fp8_table(table) -> bool:
     """Whether a cache table (or an op's pool) holds FP8 entry rows."""
     return table is not None and jnp.dtype(table.dtype) == jnp.uint8
 
 
-def check_kv_dtype(kv_dtype, head_dim: int, rope_dim: int, dtype) -> str | None:
-    """``kv_dtype`` checked against the entry dims and the cache ``dtype``; one of
-    ``KV_DTYPES`` (None: compressed entries in the cache dtype). Raises ValueError naming it."""
+def check_kv_dtype(kv_dtype, head_dim: int, rope_dim: int, dtype,
+                   index_dim: int | None = None) -> str | None:
+    """``kv_dtype`` checked against the entry dims, the index keys' width (None: no CSA
+    layer) and the cache ``dtype``; one of ``KV_DTYPES`` (None: compressed entries in the
+    cache dtype). Raises ValueError naming it."""
     if not (kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES)):
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
     if kv_dtype == "fp8":
         entry_bytes(head_dim, rope_dim)
+        if index_dim is not None:
+            index_key_bytes(index_dim)
         if jnp.dtype(dtype) != jnp.bfloat16:
             raise ValueError(f"kv_dtype='fp8' keeps the RoPE dims in BF16 (the official entry "
                              f"layout): the cache dtype must be bfloat16, got {jnp.dtype(dtype)}")

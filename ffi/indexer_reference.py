@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv4_jax import kv_entry
+
 __all__ = ["index_topk_reference", "check_index_topk_args", "choose_block", "blocked_topk",
            "top_k_in_parts", "select_reference",
            "SCORE_BLOCK_BUDGET_BYTES", "MIN_BLOCK"]
@@ -56,13 +58,20 @@ def check_index_topk_args(q, weights, keys, visible, k, block=None) -> None:
     if tuple(weights.shape) != (b, s, h):
         raise ValueError(f"{op}: weights must be [B, S, H] = {(b, s, h)} as q "
                          f"{tuple(q.shape)}; weights has shape {tuple(weights.shape)}")
-    if keys.ndim != 3 or keys.shape[0] != b or keys.shape[2] != d:
-        raise ValueError(f"{op}: keys must be [B = {b}, N, D = {d}] as q {tuple(q.shape)}; "
-                         f"keys has shape {tuple(keys.shape)}")
+    rows = jnp.dtype(keys.dtype) == jnp.uint8      # MXFP4 index key rows (kv_entry)
+    if rows and (d < kv_entry.INDEX_SCALE_BLOCK or d % kv_entry.INDEX_SCALE_BLOCK):
+        raise TypeError(f"{op}: keys must be floating, or uint8 MXFP4 rows for D a multiple of "
+                        f"{kv_entry.INDEX_SCALE_BLOCK}; keys has dtype uint8, q has shape "
+                        f"{tuple(q.shape)}")
+    width = kv_entry.index_key_bytes(d) if rows else d
+    if keys.ndim != 3 or keys.shape[0] != b or keys.shape[2] != width:
+        what = f"uint8 MXFP4 rows [B = {b}, N, {width}]" if rows else f"[B = {b}, N, D = {d}]"
+        raise ValueError(f"{op}: keys must be {what} as q {tuple(q.shape)}; keys has shape "
+                         f"{tuple(keys.shape)}")
     if tuple(visible.shape) != (b, s):
         raise ValueError(f"{op}: visible must be [B, S] = {(b, s)} as q {tuple(q.shape)}; "
                          f"visible has shape {tuple(visible.shape)}")
-    for name, x in (("q", q), ("weights", weights), ("keys", keys)):
+    for name, x in (("q", q), ("weights", weights)) + ((("keys", keys),) if not rows else ()):
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{op}: {name} must be floating; {name} has dtype {x.dtype}")
     if weights.dtype != q.dtype:
@@ -86,9 +95,12 @@ def _round_to(x, dtype):
 
 def _scores(q, weights, keys, lo, limit):
     """The masked scores ``[B, S, width]`` of entries ``lo .. lo + width - 1`` (``keys`` holds
-    exactly those), with the model's rounding points: the bf16 einsum accumulated in f32 and
-    rounded, relu, times the weights rounded, the head sum in f32 rounded."""
+    exactly those, values or MXFP4 rows), with the model's rounding points: the bf16 einsum
+    accumulated in f32 and rounded, relu, times the weights rounded, the head sum in f32
+    rounded."""
     dt = q.dtype
+    if kv_entry.is_index_key_rows(keys, q.shape[-1]):
+        keys = kv_entry.decode_index_keys(keys, q.shape[-1], dt)
     score = jnp.einsum("bshd,btd->bsht", q, keys.astype(dt),
                        preferred_element_type=jnp.float32).astype(dt)
     # relu(score) * weights rounded to dt, written as the exact f32 product of two dt values

@@ -53,7 +53,7 @@ def support(q, weights, keys, visible, k=None, block=None,
     width = n if block is None else min(block, n)
     return config.is_supported(heads=h, dim=d, dtype=jnp.dtype(q.dtype).name,
                                key_dtype=jnp.dtype(keys.dtype).name, batch=b, tokens=s,
-                               entries=n, width=width)
+                               entries=n, width=width, key_row_bytes=keys.shape[2])
 
 
 def index_scores_cute(q, weights, keys, limit, lo, width: int,
@@ -71,7 +71,8 @@ def index_scores_cute(q, weights, keys, limit, lo, width: int,
     res = cute_call(kernel.index_scores_launcher, (out,), q, weights, keys,
                     limit.astype(jnp.int32), jnp.reshape(lo, (1,)).astype(jnp.int32),
                     splits=splits, tokens_per_warpgroup=config.tokens_per_warpgroup,
-                    num_stages=config.num_stages, skip_invisible=config.skip_invisible)
+                    num_stages=config.num_stages, skip_invisible=config.skip_invisible,
+                    fp4_keys=bool(jnp.dtype(keys.dtype) == jnp.uint8))
     return res[0] if isinstance(res, (tuple, list)) else res
 
 

@@ -13,6 +13,9 @@ HEADS = 64               # index heads = the WGMMA's M: one query per warpgroup 
 DIM = 128                # index head width = the WGMMA's K
 BLOCK_N = 128            # entries per pipeline stage = the WGMMA's N
 MATH_WARPGROUPS = 2
+# MXFP4 key rows (dsv4_jax.kv_entry): DIM / 2 code bytes, DIM / 32 E8M0 scales, padded to 8.
+FP4_KEY_BYTES = 72
+FP4_KEY_SCALE_OFFSET = DIM // 2
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
 NUM_SMS = 132            # H100 SXM and H200
 MAX_GRID_Y = 65535
@@ -76,12 +79,20 @@ class IndexScoresSm90Config:
         return groups, splits, batch
 
     def is_supported(self, *, heads: int, dim: int, dtype: str, key_dtype: str, batch: int,
-                     tokens: int, entries: int, width: int) -> tuple[bool, str]:
-        """``(True, "")`` when the kernel handles these arguments, else ``(False, reason)``."""
+                     tokens: int, entries: int, width: int,
+                     key_row_bytes: int | None = None) -> tuple[bool, str]:
+        """``(True, "")`` when the kernel handles these arguments, else ``(False, reason)``.
+        ``key_row_bytes``: the width of uint8 key rows (MXFP4, ``FP4_KEY_BYTES``)."""
         if heads != HEADS or dim != DIM:
             return False, f"{heads} heads of width {dim} (the kernel takes {HEADS} x {DIM})"
-        if dtype != "bfloat16" or key_dtype != "bfloat16":
-            return False, f"q {dtype} and keys {key_dtype} (the kernel takes bfloat16)"
+        if key_dtype == "uint8":
+            if key_row_bytes != FP4_KEY_BYTES:
+                return False, (f"uint8 key rows of {key_row_bytes} bytes (MXFP4 rows are "
+                               f"{FP4_KEY_BYTES})")
+        elif key_dtype != "bfloat16":
+            return False, f"keys {key_dtype} (the kernel takes bfloat16 or MXFP4 rows)"
+        if dtype != "bfloat16":
+            return False, f"q {dtype} (the kernel takes bfloat16)"
         if entries < 1 or tokens < 1 or width < 1:
             return False, "an empty query set or entry table"
         if batch > MAX_GRID_Z or -(-tokens // self.tokens_per_cta) > 2 ** 31 - 1:

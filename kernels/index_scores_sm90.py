@@ -28,7 +28,9 @@ Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups; CTA = a
    the dot products always are), else within an f32 rounding before the bf16 one.
 
 Constraints: sm_90a; bf16 q ``[B, S, 64, 128]``, weights ``[B, S, 64]``, keys ``[B, N, 128]``
-(N >= 1), visible int32 ``[B, S]`` (clamped to N by the caller), lo int32 ``[1]``; out bf16
+bf16 or ``[B, N, 72]`` uint8 MXFP4 rows (``fp4_keys``; widened to the same bf16 tile in
+the producer, ``kernels/index_scores_fp4.py``) (N >= 1), visible int32 ``[B, S]`` (clamped
+to N by the caller), lo int32 ``[1]``; out bf16
 ``[B, S, width]``. Queries past S in the last group compute on a copy of query S - 1 and
 store nothing.
 """
@@ -44,7 +46,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils import LayoutEnum
 
-from .index_scores_config import BLOCK_N, DIM, HEADS, MATH_WARPGROUPS, IndexScoresSm90Config
+from .index_scores_config import (BLOCK_N, DIM, FP4_KEY_BYTES, HEADS, MATH_WARPGROUPS,
+                                  IndexScoresSm90Config)
+from .index_scores_fp4 import Fp4KeyGather
 from .sm90_primitives import copy16, cp_async_arrive, half_warp_rows, row_copy_atom
 
 NUM_THREADS = 128 * (1 + MATH_WARPGROUPS)
@@ -98,11 +102,12 @@ def bf16x2_splat(x: Float32, *, loc=None, ip=None) -> Int32:
                                  asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-class IndexScoresSm90:
+class IndexScoresSm90(Fp4KeyGather):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
-    def __init__(self, splits: int, config: IndexScoresSm90Config):
+    def __init__(self, splits: int, config: IndexScoresSm90Config, fp4_keys: bool = False):
         self.splits = splits
+        self.fp4_keys = fp4_keys
         self.tpw = config.tokens_per_warpgroup
         self.tokens = config.tokens_per_cta
         self.num_stages = config.num_stages
@@ -180,7 +185,8 @@ class IndexScoresSm90:
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            self.produce(mQ, mK, b, group, lo, blk_begin, n_live, sQ, sK, kv_pipe, tidx)
+            self.produce(mQ, mK, b, group, lo, blk_begin, n_live, sQ, sK, kv_pipe, tidx,
+                         storage.sK.data_ptr().toint())
         else:
             cute.arch.setmaxregister_increase(MATH_REGS)
             self.consume(mW, mVis, mOut, b, group, lo, blk_begin, n_live, wg - 1,
@@ -192,8 +198,9 @@ class IndexScoresSm90:
     @cute.jit
     def produce(self, mQ: cute.Tensor, mK: cute.Tensor, b: Int32, group: Int32, lo: Int32,
                 blk_begin: Int32, n_local: Int32, sQ: cute.Tensor, sK: cute.Tensor,
-                kv_pipe: pipeline.PipelineAsync, tidx: Int32):
-        """WG0: the group's Q tiles, then the split's key blocks into the ring."""
+                kv_pipe: pipeline.PipelineAsync, tidx: Int32, tile: Int32):
+        """WG0: the group's Q tiles, then the split's key blocks into the ring (MXFP4 rows:
+        copied, then widened in place one block later; ``Fp4KeyGather``)."""
         atom_cp = row_copy_atom(self.dtype)
         row0, chunk = half_warp_rows(tidx)        # a half warp per 256 B row, 8 rows a pass
         sK_vec = cute.flat_divide(sK, (1, 8))[0, None, None, None, None]
@@ -210,6 +217,10 @@ class IndexScoresSm90:
                        sQ_vec[None, row, chunk, slot])
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.num_stages)
+        # MXFP4 keys: a block is committed one iteration late (``done``: the oldest
+        # uncommitted one), so that the next block's copies are in flight while it widens.
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                            self.num_stages)
         k_base = mK.iterator.toint()
         for j in cutlass.range(n_local, unroll=1):
             kv_pipe.producer_acquire(state)
@@ -218,13 +229,26 @@ class IndexScoresSm90:
                 row = row0 + 8 * i
                 entry = cutlass.min(first + row, entries - 1)
                 k_row = (b * entries + entry).to(Int64)
-                copy16(atom_cp, self.dtype, k_base + (k_row * DIM + chunk * 8) * 2,
-                       sK_vec[None, row, chunk, state.index])
-            # The phase completes once every producer thread's copies landed (Q rides with
-            # the first block).
-            cp_async_arrive(kv_pipe.producer_get_barrier(state))
-            kv_pipe.producer_commit(state)
+                if const_expr(self.fp4_keys):
+                    self.issue_fp4_row(k_base + k_row * FP4_KEY_BYTES, tile, state.index, row,
+                                       chunk)
+                else:
+                    copy16(atom_cp, self.dtype, k_base + (k_row * DIM + chunk * 8) * 2,
+                           sK_vec[None, row, chunk, state.index])
+            if const_expr(self.fp4_keys):
+                cute.arch.cp_async_commit_group()
+                if j > 0:
+                    self.finish_fp4_block(kv_pipe, done, tile, row0, chunk, 1)
+                    done.advance()
+            else:
+                # The phase completes once every producer thread's copies landed (Q rides
+                # with the first block).
+                cp_async_arrive(kv_pipe.producer_get_barrier(state))
+                kv_pipe.producer_commit(state)
             state.advance()
+        if const_expr(self.fp4_keys):
+            if n_local > 0:
+                self.finish_fp4_block(kv_pipe, done, tile, row0, chunk, 0)
         cute.arch.cp_async_wait_group(0)    # without blocks the Q copies still land first
 
     @cute.jit
@@ -356,10 +380,12 @@ def index_scores_launcher(stream: cuda.CUstream, q: cute.Tensor, weights: cute.T
                           out: cute.Tensor, *, splits: cutlass.Constexpr,
                           tokens_per_warpgroup: cutlass.Constexpr,
                           num_stages: cutlass.Constexpr,
-                          skip_invisible: cutlass.Constexpr = False):
-    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+                          skip_invisible: cutlass.Constexpr = False,
+                          fp4_keys: cutlass.Constexpr = False):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config);
+    ``fp4_keys``: ``keys`` is uint8 ``[B, N, FP4_KEY_BYTES]`` MXFP4 rows."""
     IndexScoresSm90(splits, IndexScoresSm90Config(tokens_per_warpgroup, num_stages,
-                                                  skip_invisible))(
+                                                  skip_invisible), fp4_keys)(
         q, weights, keys, visible, lo, out, stream)
 
 

@@ -36,8 +36,11 @@ def _take_rows(buf: jax.Array, start: jax.Array, size: int) -> jax.Array:
 
 def write_entries(table: jax.Array, entries: jax.Array, ids: jax.Array) -> jax.Array:
     """``table[b, ids[b, q]] = entries[b, q]`` where ``ids >= 0`` (other entries dropped);
-    a table of FP8 rows (``kv_entry``) gets the entries encoded."""
-    if kv_entry.is_fp8_table(table):
+    a table of FP8 entry rows or of MXFP4 index key rows (``kv_entry``) gets the entries
+    encoded."""
+    if kv_entry.is_index_key_rows(table, entries.shape[-1]):
+        entries = kv_entry.encode_index_keys(entries)
+    elif kv_entry.is_fp8_table(table):
         entries = kv_entry.encode(entries, kv_entry.rope_dim_of(table.shape[-1],
                                                                 entries.shape[-1]))
     n = table.shape[1]

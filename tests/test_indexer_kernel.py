@@ -73,8 +73,9 @@ def test_config_limits_and_grid():
 @pytest.mark.parametrize("kwargs, reason", [
     (dict(heads=32), "32 heads of width 128"),
     (dict(dim=64), "64 heads of width 64"),
-    (dict(dtype="float32"), "q float32 and keys bfloat16"),
+    (dict(dtype="float32"), "q float32 (the kernel takes bfloat16)"),
     (dict(key_dtype="float32"), "keys float32"),
+    (dict(key_dtype="uint8", key_row_bytes=64), "uint8 key rows of 64 bytes"),
     (dict(entries=0), "empty"),
     (dict(batch=70000), "more CTAs than the grid takes"),
 ])

@@ -98,34 +98,37 @@ def test_bad_layouts_and_kv_dtypes_raise_naming_them():
         dj.Cache.init(cfg, 1, 256, jnp.float32, kv_dtype="fp8")
 
 
-def test_fp8_cache_holds_uint8_rows_for_the_compressed_tables_only():
+def test_fp8_cache_holds_uint8_rows_for_the_compressed_tables_and_index_keys_only():
     cfg = dj.Config.tiny()
     plain, fp8 = dj.Cache.init(cfg, 2, 512), dj.Cache.init(cfg, 2, 512, kv_dtype="fp8")
     assert plain.kv_dtype is None and fp8.kv_dtype == "fp8"
+    saved = 0
     for a, b in zip(plain.layers, fp8.layers):
         assert b.window.dtype == a.window.dtype == jnp.bfloat16
         if a.compressed is not None:
             assert b.compressed.shape == a.compressed.shape[:2] + (584,)
             assert b.compressed.dtype == jnp.uint8
-            assert b.index_keys is None or b.index_keys.dtype == jnp.bfloat16
-    saved = sum(a.compressed.nbytes - b.compressed.nbytes
-                for a, b in zip(plain.layers, fp8.layers) if a.compressed is not None)
+            saved += a.compressed.nbytes - b.compressed.nbytes
+        if a.index_keys is not None:     # MXFP4 rows: 64 code bytes, 4 scales, 4 of padding
+            assert b.index_keys.shape == a.index_keys.shape[:2] + (72,)
+            assert b.index_keys.dtype == jnp.uint8
+            saved += a.index_keys.nbytes - b.index_keys.nbytes
     assert plain.nbytes() - fp8.nbytes() == saved > 0
     reset = fp8.reset_rows(jnp.array([True, False]))
     assert reset.kv_dtype == "fp8"
 
 
 def test_plan_sizes_the_fp8_cache():
-    """Flash per 1k tokens of one sequence: CSA layers add 256 entries and 256 indexer keys
-    (128 x BF16), HCA layers 8 entries; 584 bytes an entry in FP8, 1024 in BF16."""
+    """Flash per 1k tokens of one sequence: CSA layers add 256 entries and 256 indexer keys,
+    HCA layers 8 entries; 584 bytes an entry and 72 a key in FP8, 1024 and 256 in BF16."""
     flash = dj.Config.flash(quantized=True)
     mesh = dj.sharding.make_mesh(data=1, expert=1)
     ratios = flash.compress_ratios[:flash.n_layers]
     csa, hca = ratios.count(4), ratios.count(128)
-    for kv_dtype, entry in ((None, 1024), ("fp8", 584)):
+    for kv_dtype, entry, key in ((None, 1024, 256), ("fp8", 584, 72)):
         per_1k = (plan.cache_bytes_per_device(flash, mesh, 1, 2048, kv_dtype)
                   - plan.cache_bytes_per_device(flash, mesh, 1, 1024, kv_dtype))
-        assert per_1k == csa * 256 * (entry + 128 * 2) + hca * 8 * entry, kv_dtype
+        assert per_1k == csa * 256 * (entry + key) + hca * 8 * entry, kv_dtype
 
 
 # ----------------------------------------------------------------------------- the op (CPU)
@@ -245,6 +248,11 @@ def test_model_with_an_fp8_cache_gives_the_bf16_caches_logits():
             np.testing.assert_array_equal(bits(kv_entry.decode(b.compressed, 512)),
                                           bits(a.compressed))
             assert np.any(np.asarray(a.compressed) != 0)
+        if a.index_keys is not None:
+            np.testing.assert_array_equal(
+                bits(kv_entry.decode_index_keys(b.index_keys, a.index_keys.shape[-1])),
+                bits(a.index_keys))
+            assert np.any(np.asarray(a.index_keys) != 0)
 
 
 def test_decode_step_lowers_to_the_kernel_reading_the_fp8_tables():
