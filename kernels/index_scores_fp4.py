@@ -10,11 +10,10 @@ row of the stage tile that a BF16 table gives, in two steps per pipeline block:
    12..15 of that chunk's own smem slot, the row's 4-byte scale word to bytes 8..11.
 2. One block later (``finish_fp4_block``, while the next block's copies are in flight):
    ``cp.async.wait_group 1`` (this thread's copies of the block landed), then
-   ``widen_e2m1_chunk`` per chunk: each nibble is placed into an f16 (sign to bit 15, its
-   three magnitude bits to bits 9..11: the e2m1 value times 2^-14, exact, subnormal for the
-   code 0.5), widened to f32, times 2^14 and the block's scale 2^(E - 127), rounded to BF16
-   (exact: an e2m1 value times a power of two is a BF16 value), and the 8 BF16 fill the
-   slot; then the block is committed to the math warpgroups (an ordinary arrive: it
+   ``widen_e2m1_chunk`` per chunk: byte-permute lookups give each magnitude's BF16 value,
+   the sign bits are inserted, one BF16x2 multiply per pair applies the block's scale
+   2^(E - 127) (exact: an e2m1 value times a power of two is a BF16 value), and the 8 BF16
+   fill the slot; then the block is committed to the math warpgroups (an ordinary arrive: it
    releases the widened stores). A thread reads and writes only the slots it copied, so no
    barrier among the producer's threads is needed.
 
@@ -49,26 +48,38 @@ def cp_async_4(dst: Int32, src: Int64, *, loc=None, ip=None) -> None:
          [Int32(dst), Int64(src)], loc, ip)
 
 
+# BF16 bytes of the e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (0x0000, 0x3F00, 0x3F80,
+# 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0), as the two 4-byte halves of prmt's byte table.
+_HIGH_BYTES = ("0x3F3F3F00", "0x40404040")
+_LOW_BYTES = ("0xC0800000", "0xC0804000")
+
+
 @dsl_user_op
 def widen_e2m1_chunk(chunk: Int32, scale_byte: Int32, *, loc=None, ip=None) -> None:
     """In place at shared ``chunk``: the 8 e2m1 codes in its bytes 12..15 times 2^(E - 127)
-    (E the byte at shared ``scale_byte``), as 8 BF16 over all 16 bytes (code i -> BF16 i)."""
-    widen = "".join(
-        f"shr.b32 t, w, {8 * k};\n"
-        "and.b32 v, t, 0x7;\nshl.b32 v, v, 9;\n"
-        "and.b32 u, t, 0x8;\nshl.b32 u, u, 12;\nor.b32 v, v, u;\n"
-        "and.b32 u, t, 0x70;\nshl.b32 u, u, 21;\nor.b32 v, v, u;\n"
-        "and.b32 u, t, 0x80;\nshl.b32 u, u, 24;\nor.b32 v, v, u;\n"
-        "mov.b32 {e0, e1}, v;\ncvt.f32.f16 f0, e0;\ncvt.f32.f16 f1, e1;\n"
-        "mul.rn.f32 f0, f0, 0f46800000;\nmul.rn.f32 f1, f1, 0f46800000;\n"
-        f"mul.rn.f32 f0, f0, s;\nmul.rn.f32 f1, f1, s;\ncvt.rn.bf16x2.f32 h{k}, f1, f0;\n"
+    (E the byte at shared ``scale_byte``), as 8 BF16 over all 16 bytes (code i -> BF16 i).
+
+    Integer work only (conversions run at a fraction of the integer rate): ``prmt`` looks up
+    the high and low BF16 bytes of four magnitudes at once, two more interleave them into
+    BF16 pairs, ``bfi`` sets the signs, and one ``mul.rn.bf16x2`` per pair applies the
+    scale (exact: a grid value times a power of two)."""
+    pairs = "".join(
+        f"prmt.b32 v{k}, lo{k // 2}, hi{k // 2}, {'0x5140' if k % 2 == 0 else '0x7362'};\n"
+        f"shr.b32 t, w, {8 * k + 3};\nbfi.b32 v{k}, t, v{k}, 15, 1;\n"
+        f"shr.b32 t, w, {8 * k + 7};\nbfi.b32 v{k}, t, v{k}, 31, 1;\n"
+        f"mul.rn.bf16x2 v{k}, v{k}, s;\n"
         for k in range(4))
-    _asm("{\n.reg .b32 w, e, t, u, v, h0, h1, h2, h3;\n.reg .b16 e0, e1;\n"
-         ".reg .f32 s, f0, f1;\n"
+    _asm("{\n.reg .b32 w, m, e, s, t, hi0, hi1, lo0, lo1, v0, v1, v2, v3, ha, hb, la, lb;\n"
+         f"mov.b32 ha, {_HIGH_BYTES[0]};\nmov.b32 hb, {_HIGH_BYTES[1]};\n"
+         f"mov.b32 la, {_LOW_BYTES[0]};\nmov.b32 lb, {_LOW_BYTES[1]};\n"
          "ld.shared.b32 w, [$0+12];\n"
-         "ld.shared.u8 e, [$1];\nshl.b32 e, e, 23;\nmov.b32 s, e;\n"
-         + widen +
-         "st.shared.v4.b32 [$0], {h0, h1, h2, h3};\n}",
+         "ld.shared.u8 e, [$1];\nshl.b32 e, e, 7;\nshl.b32 s, e, 16;\nor.b32 s, s, e;\n"
+         "and.b32 m, w, 0x77777777;\n"
+         "prmt.b32 hi0, ha, hb, m;\nprmt.b32 lo0, la, lb, m;\n"
+         "shr.b32 m, m, 16;\n"
+         "prmt.b32 hi1, ha, hb, m;\nprmt.b32 lo1, la, lb, m;\n"
+         + pairs +
+         "st.shared.v4.b32 [$0], {v0, v1, v2, v3};\n}",
          "r,r,~{memory}", [Int32(chunk), Int32(scale_byte)], loc, ip)
 
 

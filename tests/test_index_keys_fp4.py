@@ -145,8 +145,11 @@ def test_kernel_compiles_for_sm90a_on_rows():
     rows = index_scores_config.BLOCK_N // 8          # rows per producer thread and block
     assert ".target sm_90a" in ptx
     assert ptx.count("cp.async.ca.shared.global") == 2 * rows
-    # the widening is emitted twice (in the loop and for the last block)
-    assert ptx.count("cvt.f32.f16") == 2 * rows * 8
+    # the widening (emitted twice: in the loop and for the last block): 4 table lookups and
+    # 4 interleaves, one BF16x2 scale multiply per pair, no conversion instruction
+    assert ptx.count("prmt.b32") == 2 * rows * 8
+    assert ptx.count("mul.rn.bf16x2") == 2 * rows * 4 + 2 * (index_scores_config.BLOCK_N // 8)
+    assert "cvt.f32.f16" not in ptx
     assert ptx.count("st.shared.v4.b32") == 2 * rows
     assert ptx.count("cp.async.cg.shared.global") == 8 * 2      # the two Q tiles only
     assert ptx.count("wgmma.mma_async") == 8
