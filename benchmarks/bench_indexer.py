@@ -22,7 +22,7 @@ floors of the same row: FLOPs = 2 B S H N D at
 row count), ``cute@TxS`` (the op's kernels with the score kernel's ``IndexScoresSm90Config``
 of T queries per math warpgroup and S key stages, e.g. ``cute@1x4``; ``cute@2x3s``: with
 ``skip_invisible``); a ``:fp4`` suffix (``cute:fp4``, ``xla:fp4``) gives the op the keys
-as MXFP4 rows (``kv_entry.encode_index_keys``: the ``kv_dtype="fp8"`` cache's). ``--visible V``: each row sees only its first V entries (a short
+as MXFP4 rows (``kv_entry.encode_index_keys``: the ``kv_dtype="fp8+fp4"`` cache's). ``--visible V``: each row sees only its first V entries (a short
 context in a long table; default: all). ``--ops N`` lists each call's N longest device ops.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
@@ -83,7 +83,7 @@ MERGES = {"cute+xla-topk": select_reference,
 def time_op(args, impl, runs):
     """(wall us of one call, each waited for; device us of one traced call: the sum of its
     device ops, without the host's launch and wait; that call's us and calls per op).
-    ``impl:fp4``: the keys as MXFP4 rows (``kv_entry``, the ``kv_dtype="fp8"`` cache's)."""
+    ``impl:fp4``: the keys as MXFP4 rows (``kv_entry``, the ``kv_dtype="fp8+fp4"`` cache's)."""
     if impl.endswith(":fp4"):
         q, weights, keys, visible = args
         args = jax.block_until_ready((q, weights, kv_entry.encode_index_keys(keys), visible))

@@ -163,7 +163,7 @@ def parse_args(argv=None):
     p.add_argument("--decode-ctxs", type=ints, default=[])
     p.add_argument("--batches", type=ints, default=[1, 8])
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
+    p.add_argument("--kv-dtype", choices=("fp8", "fp8+fp4"), default=None,
                    help="the compressed entries as FP8 rows (Cache.init's kv_dtype)")
     p.add_argument("--tiny", action="store_true", help="Config.tiny, small sizes (CPU)")
     p.add_argument("--out", help="write the tables to this markdown file")

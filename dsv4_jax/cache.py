@@ -13,7 +13,7 @@ Per layer (``LayerCache``):
   which holds the same values as the BF16 entry under ``quant_simulation``.
 * CSA layers also: ``index_kv_state``/``index_score_state`` [B, 8, 2*Di] and
   ``index_keys`` [B, max_len // 4, Di] for the lightning indexer -- or, with
-  ``kv_dtype="fp8"``, ``[B, max_len // 4, 72]`` uint8 MXFP4 rows (``dsv4_jax.kv_entry``).
+  ``kv_dtype="fp8+fp4"``, ``[B, max_len // 4, 72]`` uint8 MXFP4 rows (``dsv4_jax.kv_entry``).
 
 ``lengths [B]`` counts the tokens each row has consumed; the MTP block (speculative drafting)
 has its own rings and ``mtp_lengths``. Everything is data: jitted steps take the cache and
@@ -77,7 +77,7 @@ def init_layer_cache(cfg: Config, layer_id: int, batch: int, max_len: int, dtype
     if kind == "swa":
         return LayerCache(window=window)
     kv_state, score_state = _compressor_state(batch, ratio, cfg.head_dim)
-    if kv_dtype == "fp8":
+    if kv_dtype in ("fp8", "fp8+fp4"):
         compressed = _empty((batch, max_len // ratio, entry_bytes(cfg.head_dim,
                                                                   cfg.rope_head_dim)),
                             jnp.uint8)
@@ -86,7 +86,7 @@ def init_layer_cache(cfg: Config, layer_id: int, batch: int, max_len: int, dtype
     if kind == "hca":
         return LayerCache(window, kv_state, score_state, compressed)
     ikv, isc = _compressor_state(batch, CSA_RATIO, cfg.index_head_dim)
-    if kv_dtype == "fp8":
+    if kv_dtype == "fp8+fp4":
         keys = _empty((batch, max_len // CSA_RATIO, index_key_bytes(cfg.index_head_dim)),
                       jnp.uint8)
     else:
@@ -109,9 +109,10 @@ class Cache:
 
         ``dtype`` defaults to ``cfg.dtype``. ``kv_dtype="fp8"`` stores the compressed entries
         of CSA/HCA layers as 584-byte FP8 rows (the official layout, ``dsv4_jax.kv_entry``:
-        1.75x smaller than BF16; needs ``dtype`` bfloat16) and the CSA layers' index keys as
-        72-byte MXFP4 rows (3.6x smaller; both exact under the FP8/FP4 simulation); the
-        window rings stay in ``dtype``. With ``mesh`` the arrays are created directly with the batch sharded over
+        1.75x smaller than BF16; needs ``dtype`` bfloat16); ``"fp8+fp4"`` also the CSA layers'
+        index keys as 72-byte MXFP4 rows (3.6x smaller; a slower indexer, see
+        docs/performance.md); both exact under the FP8/FP4 simulation. The window rings stay
+        in ``dtype``. With ``mesh`` the arrays are created directly with the batch sharded over
         the mesh's data axis (see ``dsv4_jax.sharding``).
         """
         if not isinstance(batch, int) or batch <= 0:
@@ -149,9 +150,14 @@ class Cache:
 
     @property
     def kv_dtype(self) -> str | None:
-        """``"fp8"`` when the compressed entries are FP8 rows, else None (the cache dtype)."""
-        tables = [lc.compressed for lc in self.layers + self.mtp if lc.compressed is not None]
-        return "fp8" if tables and is_fp8_table(tables[0]) else None
+        """``"fp8"`` when the compressed entries are FP8 rows, ``"fp8+fp4"`` when the index
+        keys are MXFP4 rows too, else None (the cache dtype)."""
+        layers = self.layers + self.mtp
+        tables = [lc.compressed for lc in layers if lc.compressed is not None]
+        if not (tables and is_fp8_table(tables[0])):
+            return None
+        keys = [lc.index_keys for lc in layers if lc.index_keys is not None]
+        return "fp8+fp4" if keys and is_fp8_table(keys[0]) else "fp8"
 
     def reset_rows(self, rows: jax.Array) -> "Cache":
         """Empty the rows where ``rows`` [B] bool is true (start new sequences in place)."""

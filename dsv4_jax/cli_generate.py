@@ -31,9 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill call (a multiple of the compression "
                         "ratios; default: sized for the device); a progress bar shows on "
                         "stderr while a longer prompt is prefilled")
-    p.add_argument("--kv-dtype", choices=("fp8",), default=None,
+    p.add_argument("--kv-dtype", choices=("fp8", "fp8+fp4"), default=None,
                    help="fp8: the compressed cache entries as 584-byte FP8 rows (the official "
-                        "layout, 1.75x smaller; default: the model's dtype)")
+                        "layout, 1.75x smaller; default: the model's dtype); fp8+fp4: also "
+                        "the indexer's keys as 72-byte MXFP4 rows (3.6x smaller, a slower "
+                        "indexer)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)

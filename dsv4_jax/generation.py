@@ -132,7 +132,8 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
     one chunk; the tokens are those of a one-shot prefill. ``prefill_progress=True`` shows a
     progress bar for long prompts. ``kv_dtype="fp8"`` keeps the compressed cache entries as
     FP8 rows (``Cache.init``): 1.75x less cache for long contexts, the same values under the
-    model's FP8 simulation (``Config.quant_simulation``, on by default).
+    model's FP8 simulation (``Config.quant_simulation``, on by default); ``"fp8+fp4"`` also
+    the indexer's keys as MXFP4 rows (smaller still, a slower indexer).
 
     ``options``, a ``GenerationOptions``, holds ``max_new_tokens``, ``sampler``,
     ``stop_tokens``, ``seed``, ``logprobs``, ``max_len``, ``speculative``, ``prefill_chunk``,

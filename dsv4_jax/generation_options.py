@@ -30,7 +30,7 @@ __all__ = ["GenerationOptions", "ChatOptions", "call_options", "call_chat_option
 _SEED_RANGE = (-2 ** 63, 2 ** 63)           # what jax.random.key accepts (a C long)
 # Cache.init's kv_dtype values (dsv4_jax.kv_entry.KV_DTYPES; a test keeps them equal): not
 # imported from there, so that the command line parses its flags without importing JAX.
-KV_DTYPES = (None, "fp8")
+KV_DTYPES = (None, "fp8", "fp8+fp4")
 
 
 def _is_int(value) -> bool:
@@ -58,7 +58,9 @@ class GenerationOptions:
     with the prompt. ``prefill_progress``: show a progress
     bar (stderr) while a prompt longer than one chunk is prefilled. ``kv_dtype``: ``"fp8"``
     keeps the compressed cache entries as 584-byte FP8 rows (``Cache.init``; 1.75x smaller,
-    the same values under the model's FP8 simulation), None in the model's dtype.
+    the same values under the model's FP8 simulation), ``"fp8+fp4"`` those and the indexer's
+    keys as 72-byte MXFP4 rows (3.6x smaller, exact under the FP4 simulation; a slower
+    indexer: docs/performance.md), None in the model's dtype.
 
     Raises ValueError / TypeError naming the field and the bad value. Whether stop tokens are
     in the vocabulary, and whether the model has an MTP block, is checked at the call, where

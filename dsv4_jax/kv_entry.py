@@ -14,7 +14,7 @@ power-of-two scales, round-to-nearest-even codes), so ``decode(encode(x))`` is t
 simulation of the no-RoPE dims and the BF16 rounding of the RoPE dims, bit for bit: with
 ``quant_simulation`` on, an FP8 cache holds exactly the values a BF16 cache holds.
 
-The same cache (``kv_dtype="fp8"``) keeps the lightning indexer's keys (width Di, 128 in
+``kv_dtype="fp8+fp4"`` also keeps the lightning indexer's keys (width Di, 128 in
 DSV4) as MXFP4 rows of ``index_key_bytes(Di)`` bytes (72) instead of 2 Di of BF16:
 
     [0, Di/2)              the e2m1 codes, two per byte, the lower dim in the low nibble
@@ -38,7 +38,9 @@ __all__ = ["KV_DTYPES", "SCALE_BLOCK", "INDEX_SCALE_BLOCK", "entry_bytes", "rope
 
 SCALE_BLOCK = 64                       # no-RoPE dims per E8M0 scale
 INDEX_SCALE_BLOCK = 32                 # index key dims per E8M0 scale (MXFP4)
-KV_DTYPES = (None, "fp8")              # ``Cache.init(kv_dtype=...)``: None = the cache dtype
+# ``Cache.init(kv_dtype=...)``: None = the cache dtype; "fp8": FP8 compressed entries;
+# "fp8+fp4": those and MXFP4 index keys (smaller still, a slower indexer: docs/performance.md)
+KV_DTYPES = (None, "fp8", "fp8+fp4")
 
 
 def entry_bytes(head_dim: int, rope_dim: int) -> int:
@@ -153,11 +155,11 @@ def check_kv_dtype(kv_dtype, head_dim: int, rope_dim: int, dtype,
     cache dtype). Raises ValueError naming it."""
     if not (kv_dtype is None or (isinstance(kv_dtype, str) and kv_dtype in KV_DTYPES)):
         raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
-    if kv_dtype == "fp8":
+    if kv_dtype in ("fp8", "fp8+fp4"):
         entry_bytes(head_dim, rope_dim)
-        if index_dim is not None:
+        if kv_dtype == "fp8+fp4" and index_dim is not None:
             index_key_bytes(index_dim)
         if jnp.dtype(dtype) != jnp.bfloat16:
-            raise ValueError(f"kv_dtype='fp8' keeps the RoPE dims in BF16 (the official entry "
+            raise ValueError(f"kv_dtype={kv_dtype!r} keeps the RoPE dims in BF16 (the official entry "
                              f"layout): the cache dtype must be bfloat16, got {jnp.dtype(dtype)}")
     return kv_dtype

@@ -9,7 +9,7 @@ Contract::
     q:       [B, S, H, D]  floating (the rotated, FP4-simulated index queries, the act dtype)
     weights: [B, S, H]     q's dtype (the head weights, already scaled)
     keys:    [B, N, D]     floating (the index key table; cast to q's dtype), or uint8
-             [B, N, kv_entry.index_key_bytes(D)] MXFP4 rows (``kv_dtype="fp8"`` caches:
+             [B, N, kv_entry.index_key_bytes(D)] MXFP4 rows (``kv_dtype="fp8+fp4"`` caches:
              the keys' FP4 simulation stored as codes and scales, decoded exactly)
     visible: [B, S]        integer: query (b, s) sees entries 0 .. visible[b, s] - 1
     k:       static int >= 1;   block: static int >= 1 or None

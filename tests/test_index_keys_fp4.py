@@ -1,4 +1,4 @@
-"""The MXFP4 index keys of the compact cache (``Cache.init(kv_dtype="fp8")``,
+"""The MXFP4 index keys of the compact cache (``Cache.init(kv_dtype="fp8+fp4")``,
 ``dsv4_jax.kv_entry``): the row format against the keys' FP4 simulation, the indexer op
 reading rows, bad input, the model's lowering; on the GPU the score kernel reading rows
 against the reference on their values, bit for bit."""
@@ -112,7 +112,7 @@ def test_decode_step_lowers_the_score_kernel_on_the_rows():
     cfg = dj.Config.tiny(n_heads=64, o_groups=8, index_n_heads=64)
     policy = dj.KernelPolicy(implementation="xla", ops={"index_topk": "cute"})
     model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
-    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 4096, kv_dtype="fp8"))
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 4096, kv_dtype="fp8+fp4"))
     tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
     with dispatch.cuda_target():

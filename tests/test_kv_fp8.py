@@ -1,4 +1,4 @@
-"""The FP8 compressed-entry cache (``Cache.init(kv_dtype="fp8")``, ``dsv4_jax.kv_entry``):
+"""The FP8 compressed-entry cache (``Cache.init(kv_dtype="fp8"|"fp8+fp4")``, ``kv_entry``):
 the row format against the FP8 simulation, the op reading FP8 rows, the model and
 ``generate`` with an FP8 cache against a BF16 one (bit for bit under the simulation), bad
 input; on the GPU the kernel reading FP8 rows against the kernel reading their BF16 values."""
@@ -98,10 +98,11 @@ def test_bad_layouts_and_kv_dtypes_raise_naming_them():
         dj.Cache.init(cfg, 1, 256, jnp.float32, kv_dtype="fp8")
 
 
-def test_fp8_cache_holds_uint8_rows_for_the_compressed_tables_and_index_keys_only():
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8+fp4"])
+def test_fp8_cache_holds_uint8_rows_for_the_compressed_tables_and_fp4_keys_only(kv_dtype):
     cfg = dj.Config.tiny()
-    plain, fp8 = dj.Cache.init(cfg, 2, 512), dj.Cache.init(cfg, 2, 512, kv_dtype="fp8")
-    assert plain.kv_dtype is None and fp8.kv_dtype == "fp8"
+    plain, fp8 = dj.Cache.init(cfg, 2, 512), dj.Cache.init(cfg, 2, 512, kv_dtype=kv_dtype)
+    assert plain.kv_dtype is None and fp8.kv_dtype == kv_dtype
     saved = 0
     for a, b in zip(plain.layers, fp8.layers):
         assert b.window.dtype == a.window.dtype == jnp.bfloat16
@@ -109,23 +110,26 @@ def test_fp8_cache_holds_uint8_rows_for_the_compressed_tables_and_index_keys_onl
             assert b.compressed.shape == a.compressed.shape[:2] + (584,)
             assert b.compressed.dtype == jnp.uint8
             saved += a.compressed.nbytes - b.compressed.nbytes
-        if a.index_keys is not None:     # MXFP4 rows: 64 code bytes, 4 scales, 4 of padding
+        if a.index_keys is not None and kv_dtype == "fp8+fp4":   # 64 codes, 4 scales, 4 pad
             assert b.index_keys.shape == a.index_keys.shape[:2] + (72,)
             assert b.index_keys.dtype == jnp.uint8
             saved += a.index_keys.nbytes - b.index_keys.nbytes
+        elif a.index_keys is not None:
+            assert b.index_keys.dtype == jnp.bfloat16
     assert plain.nbytes() - fp8.nbytes() == saved > 0
     reset = fp8.reset_rows(jnp.array([True, False]))
-    assert reset.kv_dtype == "fp8"
+    assert reset.kv_dtype == kv_dtype
 
 
 def test_plan_sizes_the_fp8_cache():
     """Flash per 1k tokens of one sequence: CSA layers add 256 entries and 256 indexer keys,
-    HCA layers 8 entries; 584 bytes an entry and 72 a key in FP8, 1024 and 256 in BF16."""
+    HCA layers 8 entries; an entry 1024 bytes in BF16, 584 in FP8; a key 256 bytes, 72 as
+    MXFP4 (``fp8+fp4``)."""
     flash = dj.Config.flash(quantized=True)
     mesh = dj.sharding.make_mesh(data=1, expert=1)
     ratios = flash.compress_ratios[:flash.n_layers]
     csa, hca = ratios.count(4), ratios.count(128)
-    for kv_dtype, entry, key in ((None, 1024, 256), ("fp8", 584, 72)):
+    for kv_dtype, entry, key in ((None, 1024, 256), ("fp8", 584, 256), ("fp8+fp4", 584, 72)):
         per_1k = (plan.cache_bytes_per_device(flash, mesh, 1, 2048, kv_dtype)
                   - plan.cache_bytes_per_device(flash, mesh, 1, 1024, kv_dtype))
         assert per_1k == csa * 256 * (entry + key) + hca * 8 * entry, kv_dtype
@@ -239,20 +243,21 @@ def test_model_with_an_fp8_cache_gives_the_bf16_caches_logits():
     params = dj.init_params(cfg, 0)
     toks = jax.random.randint(jax.random.key(3), (2, 140), 0, cfg.vocab_size)
     out = {}
-    for kv_dtype in (None, "fp8"):
+    for kv_dtype in (None, "fp8", "fp8+fp4"):
         cache = dj.Cache.init(cfg, 2, 256, kv_dtype=kv_dtype)
         out[kv_dtype] = prefill_then_decode(model, params, toks, 129, cache)
-    np.testing.assert_array_equal(out["fp8"][0], out[None][0])
-    for a, b in zip(out[None][1].layers, out["fp8"][1].layers):
-        if a.compressed is not None:
-            np.testing.assert_array_equal(bits(kv_entry.decode(b.compressed, 512)),
-                                          bits(a.compressed))
-            assert np.any(np.asarray(a.compressed) != 0)
-        if a.index_keys is not None:
-            np.testing.assert_array_equal(
-                bits(kv_entry.decode_index_keys(b.index_keys, a.index_keys.shape[-1])),
-                bits(a.index_keys))
-            assert np.any(np.asarray(a.index_keys) != 0)
+    for compact in ("fp8", "fp8+fp4"):
+        np.testing.assert_array_equal(out[compact][0], out[None][0])
+        for a, b in zip(out[None][1].layers, out[compact][1].layers):
+            if a.compressed is not None:
+                np.testing.assert_array_equal(bits(kv_entry.decode(b.compressed, 512)),
+                                              bits(a.compressed))
+                assert np.any(np.asarray(a.compressed) != 0)
+            if a.index_keys is not None and compact == "fp8+fp4":
+                np.testing.assert_array_equal(
+                    bits(kv_entry.decode_index_keys(b.index_keys, a.index_keys.shape[-1])),
+                    bits(a.index_keys))
+                assert np.any(np.asarray(a.index_keys) != 0)
 
 
 def test_decode_step_lowers_to_the_kernel_reading_the_fp8_tables():
@@ -287,6 +292,7 @@ def test_generate_with_an_fp8_cache_gives_the_same_tokens():
     # speculative decoding commits the verified tokens into the FP8 tables too
     spec = dj.generate(model, params, prompts, 12, kv_dtype="fp8", speculative=True)
     assert spec.tokens == plain.tokens
+    assert dj.generate(model, params, prompts, 12, kv_dtype="fp8+fp4").tokens == plain.tokens
     with pytest.raises(ValueError, match="kv_dtype must be one of"):
         dj.generate(model, params, prompts, 12, kv_dtype="int8")
 
