@@ -21,9 +21,10 @@ floors of the same row: FLOPs = 2 B S H N D at
 (the kernel's scores merged by XLA's top-k in parts / by the split top-k kernels whatever the
 row count), ``cute@TxS`` (the op's kernels with the score kernel's ``IndexScoresSm90Config``
 of T queries per math warpgroup and S key stages, e.g. ``cute@1x4``; ``cute@2x3s``: with
-``skip_invisible``); a ``:fp4`` suffix (``cute:fp4``, ``xla:fp4``) gives the op the keys
-as MXFP4 rows (``kv_entry.encode_index_keys``: the ``kv_dtype="fp8+fp4"`` cache's). ``--visible V``: each row sees only its first V entries (a short
-context in a long table; default: all). ``--ops N`` lists each call's N longest device ops.
+``skip_invisible``; ``cute@1x2sn``: and ``split_n``); a ``:fp4`` suffix (``cute:fp4``,
+``xla:fp4``) gives the op the keys as MXFP4 rows (``kv_entry.encode_index_keys``: the
+``kv_dtype="fp8+fp4"`` cache's). ``--visible V``: each row sees only its first V entries (a
+short context in a long table; default: all). ``--ops N`` lists each call's N longest device ops.
 
 ``--parts`` also times the pieces the XLA reference is made of, one at a time: the bf16 score
 einsum with its relu-weighted head sum for one block of ``choose_block`` entries, and
@@ -90,11 +91,12 @@ def time_op(args, impl, runs):
         impl = impl[:-len(":fp4")]
     if impl in MERGES or impl.startswith("cute@"):
         select, config = MERGES.get(impl), None
-        if impl.startswith("cute@"):   # cute@TxS[s]: tokens per warpgroup x stages [skip]
-            spec = impl[5:]
-            tokens, stages = (int(x) for x in spec.rstrip("s").split("x"))
+        if impl.startswith("cute@"):   # cute@TxS[s][n]: tokens per warpgroup x stages,
+            spec = impl[5:]            # skip invisible blocks, split each block's N
+            tokens, stages = (int(x) for x in spec.rstrip("sn").split("x"))
+            flags = spec[len(spec.rstrip("sn")):]
             config = IndexScoresSm90Config(tokens_per_warpgroup=tokens, num_stages=stages,
-                                           skip_invisible=spec.endswith("s"))
+                                           skip_invisible="s" in flags, split_n="n" in flags)
         fn = jax.jit(lambda q, w, kt, v: indexer_sm90.index_topk_cute(
             q, w, kt, v, TOPK, select=select, config=config))
     else:

@@ -72,7 +72,7 @@ def index_scores_cute(q, weights, keys, limit, lo, width: int,
                     limit.astype(jnp.int32), jnp.reshape(lo, (1,)).astype(jnp.int32),
                     splits=splits, tokens_per_warpgroup=config.tokens_per_warpgroup,
                     num_stages=config.num_stages, skip_invisible=config.skip_invisible,
-                    fp4_keys=bool(jnp.dtype(keys.dtype) == jnp.uint8))
+                    fp4_keys=bool(jnp.dtype(keys.dtype) == jnp.uint8), split_n=config.split_n)
     return res[0] if isinstance(res, (tuple, list)) else res
 
 

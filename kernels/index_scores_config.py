@@ -41,15 +41,21 @@ class IndexScoresSm90Config:
     ``num_stages`` key blocks in flight; ``skip_invisible``: a CTA loads and multiplies only
     the key blocks that start below its queries' largest visible count and writes -inf for
     the rest (a short context in a long table, the causal part of a prefill chunk), instead
-    of masking every block it is given. A combination that does not fit raises
-    ``ValueError``."""
+    of masking every block it is given; ``split_n`` (with one token per warpgroup): both
+    math warpgroups take the same query, each half of every key block (a decode row has one
+    query: the second warpgroup would otherwise multiply a copy of it for nothing). A
+    combination that does not fit raises ``ValueError``."""
     tokens_per_warpgroup: int = 2
     num_stages: int = 3
     skip_invisible: bool = False
+    split_n: bool = False
 
     def __post_init__(self):
         if self.tokens_per_warpgroup not in (1, 2):
             raise ValueError(f"IndexScoresSm90Config: tokens_per_warpgroup must be 1 or 2, got "
+                             f"{self.tokens_per_warpgroup}")
+        if self.split_n and self.tokens_per_warpgroup != 1:
+            raise ValueError(f"IndexScoresSm90Config: split_n needs tokens_per_warpgroup 1, got "
                              f"{self.tokens_per_warpgroup}")
         if not 2 <= self.num_stages <= 4:
             raise ValueError(f"IndexScoresSm90Config: num_stages must be in [2, 4], got "
@@ -60,7 +66,12 @@ class IndexScoresSm90Config:
 
     @property
     def tokens_per_cta(self) -> int:
-        return MATH_WARPGROUPS * self.tokens_per_warpgroup
+        return 1 if self.split_n else MATH_WARPGROUPS * self.tokens_per_warpgroup
+
+    @property
+    def n_tile(self) -> int:
+        """Entries of a key block one math warpgroup multiplies (its WGMMA's N)."""
+        return BLOCK_N // 2 if self.split_n else BLOCK_N
 
     def smem_bytes(self) -> int:
         """Q tiles + key stages + the head-sum exchange (2 buffers per math warpgroup and

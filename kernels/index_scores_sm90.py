@@ -54,7 +54,6 @@ from .sm90_primitives import copy16, cp_async_arrive, half_warp_rows, row_copy_a
 NUM_THREADS = 128 * (1 + MATH_WARPGROUPS)
 PRODUCER_REGS, MATH_REGS = 72, 216       # as the sparse attention kernel: 72 + 2 x 216 <= 3 x 168
 EXCHANGE_BARRIER = 1                     # named barriers 1, 2: a math warpgroup's head sums
-N_TILES = BLOCK_N // 8                   # accumulator n8 tiles per query
 
 
 @dsl_user_op
@@ -110,6 +109,9 @@ class IndexScoresSm90(Fp4KeyGather):
         self.fp4_keys = fp4_keys
         self.tpw = config.tokens_per_warpgroup
         self.tokens = config.tokens_per_cta
+        self.split_n = config.split_n
+        self.n_tile = config.n_tile
+        self.n_tiles = self.n_tile // 8                # accumulator n8 tiles per query
         self.num_stages = config.num_stages
         self.skip_invisible = config.skip_invisible
         self.dtype = cutlass.BFloat16
@@ -120,7 +122,7 @@ class IndexScoresSm90(Fp4KeyGather):
                  mLo: cute.Tensor, mOut: cute.Tensor, stream: cuda.CUstream):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            (1, 1, 1), (HEADS, BLOCK_N))
+            (1, 1, 1), (HEADS, self.n_tile))
         # One Q tile per query of the group (the layout's "stage" mode), one key block per
         # pipeline stage; both K-major, 128B-swizzled.
         sQ_layout = sm90_utils.make_smem_layout_a(
@@ -257,11 +259,15 @@ class IndexScoresSm90(Fp4KeyGather):
                 wg_tidx: Int32, sQ: cute.Tensor, sK: cute.Tensor,
                 kv_pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma,
                 exchange: cute.Pointer):
-        """Math warpgroup ``half``: queries ``half * tpw ..`` of the group, block by block."""
+        """Math warpgroup ``half``: queries ``half * tpw ..`` of the group (``split_n``: the
+        group's one query, entries ``half * n_tile ..`` of each block), block by block."""
         thr_mma = tiled_mma.get_slice(wg_tidx)
         tSrQ = tiled_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        if const_expr(self.split_n):
+            # this warpgroup's half of every stage's key rows (a 1 KB-aligned sub-tile)
+            sK = cute.flat_divide(sK, (self.n_tile, DIM))[None, None, half, 0, None]
         tSrK = tiled_mma.make_fragment_B(thr_mma.partition_B(sK))
-        accs = [thr_mma.make_fragment_C(thr_mma.partition_shape_C((HEADS, BLOCK_N)))
+        accs = [thr_mma.make_fragment_C(thr_mma.partition_shape_C((HEADS, self.n_tile)))
                 for _ in range(self.tpw)]
         tokens = mW.shape[1]
         warp = wg_tidx // 32
@@ -271,7 +277,7 @@ class IndexScoresSm90(Fp4KeyGather):
         # its rows' weights (heads 16 warp + g and + 8) as bf16x2 pairs.
         slots, w_lo, w_hi, visible = [], [], [], []
         for k in cutlass.range_constexpr(self.tpw):
-            s = group * self.tokens + half * self.tpw + k
+            s = group * self.tokens + self.slot(half, k)
             s_read = cutlass.min(s, tokens - 1)
             slots.append(s)
             head = 16 * warp + g
@@ -290,7 +296,7 @@ class IndexScoresSm90(Fp4KeyGather):
             for k in cutlass.range_constexpr(self.tpw):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
                 for kk in cutlass.range_constexpr(num_k):
-                    cute.gemm(tiled_mma, accs[k], tSrQ[None, None, kk, half * self.tpw + k],
+                    cute.gemm(tiled_mma, accs[k], tSrQ[None, None, kk, self.slot(half, k)],
                               tSrK[None, None, kk, state.index], accs[k])
                     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             warpgroup.commit_group()
@@ -305,6 +311,10 @@ class IndexScoresSm90(Fp4KeyGather):
                                   visible[k], lo, blk, wg_tidx)
             state.advance()
 
+    def slot(self, half, k):
+        """The group's query slot of query ``k`` of math warpgroup ``half``."""
+        return 0 if self.split_n else half * self.tpw + k
+
     def exchange_row(self, exchange, half, k, buf, warp):
         """Byte address of warp ``warp``'s 128 f32 partial sums of query ``k`` of math
         warpgroup ``half``, buffer ``buf``."""
@@ -314,13 +324,14 @@ class IndexScoresSm90(Fp4KeyGather):
     @cute.jit
     def head_sum(self, acc: cute.Tensor, w_lo: Int32, w_hi: Int32, exchange: cute.Pointer,
                  half: Int32, k: cutlass.Constexpr, buf: Int32, warp: Int32, lane: Int32):
-        """This warp's 16-head sums of the block's 128 entries into the exchange buffer.
+        """This warp's 16-head sums of the warpgroup's ``n_tile`` entries of the block into
+        the exchange buffer.
 
         Accumulator element 4 n + e holds row g + 8 (e // 2) (head), column 8 n + 2 t + e % 2
-        (entry); after the reduce-scatter over g, lane (g, t) holds columns 16 g + 2 t + {0, 1}
-        and 16 g + 8 + 2 t + {0, 1}."""
+        (entry); after the reduce-scatter over g, lane (g, t) holds the columns 8 (g p + m) +
+        2 t + {0, 1} of its p = n_tiles / 8 tiles m."""
         vals = []
-        for n in cutlass.range_constexpr(N_TILES):
+        for n in cutlass.range_constexpr(self.n_tiles):
             pair = relu_weighted_pair(acc[4 * n], acc[4 * n + 1], acc[4 * n + 2],
                                       acc[4 * n + 3], w_lo, w_hi)
             vals += [pair[0], pair[1]]
@@ -336,8 +347,9 @@ class IndexScoresSm90(Fp4KeyGather):
             vals = kept
         g, t = lane // 4, lane % 4
         row = self.exchange_row(exchange, half, k, buf, warp)
-        for n in cutlass.range_constexpr(2):
-            col = 16 * g + 8 * n + 2 * t
+        per = self.n_tiles // 8
+        for n in cutlass.range_constexpr(per):
+            col = 8 * (g * per + n) + 2 * t
             dst = cute.make_tensor(cute.make_ptr(Float32, row + col * 4, cute.AddressSpace.smem,
                                                  assumed_align=8), cute.make_layout((2,)))
             dst[0] = vals[2 * n]
@@ -347,31 +359,39 @@ class IndexScoresSm90(Fp4KeyGather):
     def store_scores(self, mOut: cute.Tensor, exchange: cute.Pointer, half: Int32,
                      k: cutlass.Constexpr, buf: Int32, b: Int32, s: Int32, tokens: Int32,
                      visible: Int32, lo: Int32, blk: Int32, wg_tidx: Int32):
-        """Thread i: entry i of the block, the four warps' sums added in warp order."""
-        total = Float32(0.0)
-        for w in cutlass.range_constexpr(4):
-            src = cute.make_tensor(
-                cute.make_ptr(Float32, self.exchange_row(exchange, half, k, buf, w)
-                              + wg_tidx * 4, cute.AddressSpace.smem, assumed_align=4),
-                cute.make_layout((1,)))
-            total = src[0] if w == 0 else total + src[0]
-        col = blk * BLOCK_N + wg_tidx
-        if s < tokens and col < mOut.shape[2]:
-            score = total if lo + col < visible else -Float32.inf
-            mOut[b, s, col] = score.to(self.dtype)
+        """Thread i < n_tile: the warpgroup's entry i of the block, the four warps' sums added
+        in warp order."""
+        if wg_tidx < self.n_tile:
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(4):
+                src = cute.make_tensor(
+                    cute.make_ptr(Float32, self.exchange_row(exchange, half, k, buf, w)
+                                  + wg_tidx * 4, cute.AddressSpace.smem, assumed_align=4),
+                    cute.make_layout((1,)))
+                total = src[0] if w == 0 else total + src[0]
+            col = blk * BLOCK_N + wg_tidx
+            if const_expr(self.split_n):
+                col = col + half * self.n_tile
+            if s < tokens and col < mOut.shape[2]:
+                score = total if lo + col < visible else -Float32.inf
+                mOut[b, s, col] = score.to(self.dtype)
 
     @cute.jit
     def store_invisible(self, mOut: cute.Tensor, b: Int32, group: Int32, half: Int32,
                         blk_begin: Int32, n_live: Int32, n_local: Int32, wg_tidx: Int32):
-        """-inf for this warpgroup's queries in the split's blocks past the live ones (every
-        entry there is at or past each query's visible count); thread i: entry i."""
+        """-inf for this warpgroup's queries (and entries, ``split_n``) in the split's blocks
+        past the live ones (every entry there is at or past each query's visible count);
+        thread i < n_tile: the warpgroup's entry i."""
         tokens = mOut.shape[1]
-        for j in cutlass.range(n_live, n_local, unroll=1):
-            col = (blk_begin + j) * BLOCK_N + wg_tidx
-            for k in cutlass.range_constexpr(self.tpw):
-                s = group * self.tokens + half * self.tpw + k
-                if s < tokens and col < mOut.shape[2]:
-                    mOut[b, s, col] = Float32(-Float32.inf).to(self.dtype)
+        if wg_tidx < self.n_tile:
+            for j in cutlass.range(n_live, n_local, unroll=1):
+                col = (blk_begin + j) * BLOCK_N + wg_tidx
+                if const_expr(self.split_n):
+                    col = col + half * self.n_tile
+                for k in cutlass.range_constexpr(self.tpw):
+                    s = group * self.tokens + self.slot(half, k)
+                    if s < tokens and col < mOut.shape[2]:
+                        mOut[b, s, col] = Float32(-Float32.inf).to(self.dtype)
 
 
 @cute.jit
@@ -381,11 +401,12 @@ def index_scores_launcher(stream: cuda.CUstream, q: cute.Tensor, weights: cute.T
                           tokens_per_warpgroup: cutlass.Constexpr,
                           num_stages: cutlass.Constexpr,
                           skip_invisible: cutlass.Constexpr = False,
-                          fp4_keys: cutlass.Constexpr = False):
+                          fp4_keys: cutlass.Constexpr = False,
+                          split_n: cutlass.Constexpr = False):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config);
     ``fp4_keys``: ``keys`` is uint8 ``[B, N, FP4_KEY_BYTES]`` MXFP4 rows."""
     IndexScoresSm90(splits, IndexScoresSm90Config(tokens_per_warpgroup, num_stages,
-                                                  skip_invisible), fp4_keys)(
+                                                  skip_invisible, split_n), fp4_keys)(
         q, weights, keys, visible, lo, out, stream)
 
 

@@ -68,6 +68,12 @@ def test_config_limits_and_grid():
     assert DECODE_CONFIG.tokens_per_cta == 2 and DECODE_CONFIG.skip_invisible
     assert choose_config(3) == DEFAULT_CONFIG and DEFAULT_CONFIG.skip_invisible
     assert DECODE_CONFIG.smem_bytes() <= SMEM_BYTES
+    # split_n: one query per CTA, each math warpgroup half of every block
+    split = IndexScoresSm90Config(1, 2, True, True)
+    assert (split.tokens_per_cta, split.n_tile) == (1, BLOCK_N // 2)
+    assert split.grid(1, 3, 1024) == (3, 8, 1)
+    with pytest.raises(ValueError, match="split_n needs tokens_per_warpgroup 1, got 2"):
+        IndexScoresSm90Config(2, 3, True, True)
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -101,12 +107,13 @@ def test_the_kernel_block_rule():
     assert indexer_sm90.choose_kernel_block(64, 65536, 10000, 1000) == 1024
 
 
-@pytest.mark.parametrize("tokens_per_warpgroup, num_stages, skip_invisible", [
-    (1, 3, False), (2, 3, False), (2, 3, True), (1, 2, True)])     # the last two: chosen ones
-def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, num_stages, skip_invisible):
+@pytest.mark.parametrize("tokens_per_warpgroup, num_stages, skip_invisible, split_n", [
+    (1, 3, False, False), (2, 3, False, False), (2, 3, True, False), (1, 2, True, False),
+    (1, 2, True, True)])
+def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, num_stages, skip_invisible, split_n):
     """Per query of a math warpgroup: 8 WGMMAs (K = 128), 16 bf16x2 weight products per row
-    pair, a 28-shuffle reduce-scatter and one score store (``skip_invisible``: one more, the
-    -inf of a skipped block); no local memory."""
+    pair (``split_n``: 8, half the entries), a 28-shuffle reduce-scatter (14) and one score
+    store (``skip_invisible``: one more, the -inf of a skipped block); no local memory."""
     pytest.importorskip("cutlass")
     import cutlass
     import cutlass.cute as cute
@@ -119,17 +126,20 @@ def test_kernel_compiles_for_sm90a(tokens_per_warpgroup, num_stages, skip_invisi
                             bf((b, s, H, D)), bf((b, s, H)), bf((b, n, D)), i32((b, s)),
                             i32((1,)), bf((b, s, w)), splits=3,
                             tokens_per_warpgroup=tokens_per_warpgroup, num_stages=num_stages,
-                            skip_invisible=skip_invisible)
+                            skip_invisible=skip_invisible, split_n=split_n)
     ptx = compiled.artifacts.PTX
     tpw = tokens_per_warpgroup
+    n_tiles = BLOCK_N // 8 // (2 if split_n else 1)
     assert ".target sm_90a" in ptx
     assert ptx.count("wgmma.mma_async") == 8 * tpw
-    assert ptx.count("mul.rn.bf16x2") == 2 * (BLOCK_N // 8) * tpw
-    assert ptx.count("shfl.sync.bfly") >= 28 * tpw
+    assert ptx.count("mul.rn.bf16x2") == 2 * n_tiles * tpw
+    assert ptx.count("shfl.sync.bfly") >= (28 if not split_n else 14) * tpw
     assert ptx.count("st.global") == tpw * (2 if skip_invisible else 1)
     assert "ld.local" not in ptx and "st.local" not in ptx
-    # Q tiles (8 rows per pass, 64 rows per query) and the key block, 16 B each
-    assert ptx.count("cp.async.cg.shared.global") == 8 * 2 * tpw + BLOCK_N // 8
+    # Q tiles (8 rows per pass, 64 rows per query; split_n: one query per CTA) and the key
+    # block, 16 B each
+    queries = 1 if split_n else 2 * tpw
+    assert ptx.count("cp.async.cg.shared.global") == 8 * queries + BLOCK_N // 8
 
 
 @pytest.mark.parametrize("has_running", [False, True])
@@ -242,8 +252,10 @@ def _reference_block(q, weights, keys, limit, lo, width):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [IndexScoresSm90Config(), DEFAULT_CONFIG, DECODE_CONFIG],
-                         ids=["2x3", "2x3-skip", "1x2-skip"])
+@pytest.mark.parametrize("config", [IndexScoresSm90Config(), DEFAULT_CONFIG, DECODE_CONFIG,
+                                    IndexScoresSm90Config(1, 2, True, True),
+                                    IndexScoresSm90Config(1, 3, False, True)],
+                         ids=["2x3", "2x3-skip", "1x2-skip", "1x2-skip-splitn", "1x3-splitn"])
 @pytest.mark.parametrize("b, s, n, lo, width", [
     (1, 1, 1024, 0, 1024),        # decode, one block per CTA split
     (8, 1, 5000, 0, 5000),        # decode batch 8, N not a multiple of the block
