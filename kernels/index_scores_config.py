@@ -116,12 +116,17 @@ class IndexScoresSm90Config:
 # Skipping invisible blocks costs nothing when every block is visible (docs/performance.md,
 # "The score kernel's decode configuration"), so every chosen config skips.
 DEFAULT_CONFIG = IndexScoresSm90Config(skip_invisible=True)
-# A row of one or two queries (a decode or speculative step) fills only one query slot of a
-# (2, 3) CTA per warpgroup: one slot and two stages leave the smem that lets two CTAs share
-# an SM, which streams the keys faster (same section).
-DECODE_CONFIG = IndexScoresSm90Config(tokens_per_warpgroup=1, num_stages=2, skip_invisible=True)
+# A row of two queries (a speculative step) fills only one query slot of a (2, 3) CTA per
+# warpgroup: one slot and two stages leave the smem that lets two CTAs share an SM, which
+# streams the keys faster (same section).
+PAIR_CONFIG = IndexScoresSm90Config(tokens_per_warpgroup=1, num_stages=2, skip_invisible=True)
+# A row of one query (a decode step): both math warpgroups take it, each half of every block.
+DECODE_CONFIG = IndexScoresSm90Config(tokens_per_warpgroup=1, num_stages=2, skip_invisible=True,
+                                      split_n=True)
 
 
 def choose_config(tokens: int) -> IndexScoresSm90Config:
     """The launch configuration for rows of ``tokens`` queries."""
-    return DECODE_CONFIG if tokens <= DECODE_CONFIG.tokens_per_cta else DEFAULT_CONFIG
+    if tokens == 1:
+        return DECODE_CONFIG
+    return PAIR_CONFIG if tokens <= PAIR_CONFIG.tokens_per_cta else DEFAULT_CONFIG

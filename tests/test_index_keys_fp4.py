@@ -13,8 +13,7 @@ from dsv4_jax import kv_entry, quant
 from dsv4_jax.ffi import dispatch, index_topk, indexer_sm90
 from dsv4_jax.ffi.indexer_reference import _scores
 from dsv4_jax.kernels import index_scores_config
-from dsv4_jax.kernels.index_scores_config import (DECODE_CONFIG, DEFAULT_CONFIG,
-                                                  IndexScoresSm90Config)
+from dsv4_jax.kernels.index_scores_config import DECODE_CONFIG, DEFAULT_CONFIG, PAIR_CONFIG
 from dsv4_jax.params import abstract_params
 
 BF16 = jnp.bfloat16
@@ -160,8 +159,7 @@ def test_kernel_compiles_for_sm90a_on_rows():
 # ----------------------------------------------------------------------------- the kernel (GPU)
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT_CONFIG, DECODE_CONFIG,
-                                    IndexScoresSm90Config(1, 2, True, True)],
+@pytest.mark.parametrize("config", [DEFAULT_CONFIG, PAIR_CONFIG, DECODE_CONFIG],
                          ids=["2x3", "1x2", "1x2-splitn"])
 @pytest.mark.parametrize("b, s, n, lo, width", [
     (1, 1, 1024, 0, 1024),        # decode, one block per CTA split

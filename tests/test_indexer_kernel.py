@@ -14,7 +14,7 @@ from dsv4_jax.ffi import indexer_sm90
 from dsv4_jax.ffi.indexer_reference import _scores, select_reference
 from dsv4_jax.ffi.policy import KernelPolicy
 from dsv4_jax.kernels.index_scores_config import (BLOCK_N, DECODE_CONFIG, DEFAULT_CONFIG,
-                                                  SMEM_BYTES, TARGET_CTAS,
+                                                  PAIR_CONFIG, SMEM_BYTES, TARGET_CTAS,
                                                   IndexScoresSm90Config, choose_config)
 from dsv4_jax.params import abstract_params
 
@@ -63,11 +63,13 @@ def test_config_limits_and_grid():
     groups, splits, batch = DEFAULT_CONFIG.grid(8, 1, 262144)
     assert (groups, batch) == (1, 8) and splits * 8 >= TARGET_CTAS and splits * 7 < TARGET_CTAS
     assert DEFAULT_CONFIG.grid(1, 1, 300) == (1, 3, 1)            # never more than the blocks
-    # a decode or speculative row takes one query per warpgroup, a longer one the default
-    assert choose_config(1) == choose_config(2) == DECODE_CONFIG
-    assert DECODE_CONFIG.tokens_per_cta == 2 and DECODE_CONFIG.skip_invisible
+    # a decode row: both warpgroups on its query, half a block each; a speculative row (two
+    # queries): one query per warpgroup; a longer one the default
+    assert choose_config(1) == DECODE_CONFIG and DECODE_CONFIG.split_n
+    assert DECODE_CONFIG.tokens_per_cta == 1 and DECODE_CONFIG.skip_invisible
+    assert choose_config(2) == PAIR_CONFIG and PAIR_CONFIG.tokens_per_cta == 2
     assert choose_config(3) == DEFAULT_CONFIG and DEFAULT_CONFIG.skip_invisible
-    assert DECODE_CONFIG.smem_bytes() <= SMEM_BYTES
+    assert DECODE_CONFIG.smem_bytes() <= SMEM_BYTES and PAIR_CONFIG.smem_bytes() <= SMEM_BYTES
     # split_n: one query per CTA, each math warpgroup half of every block
     split = IndexScoresSm90Config(1, 2, True, True)
     assert (split.tokens_per_cta, split.n_tile) == (1, BLOCK_N // 2)
@@ -252,9 +254,8 @@ def _reference_block(q, weights, keys, limit, lo, width):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [IndexScoresSm90Config(), DEFAULT_CONFIG, DECODE_CONFIG,
-                                    IndexScoresSm90Config(1, 2, True, True),
-                                    IndexScoresSm90Config(1, 3, False, True)],
+@pytest.mark.parametrize("config", [IndexScoresSm90Config(), DEFAULT_CONFIG, PAIR_CONFIG,
+                                    DECODE_CONFIG, IndexScoresSm90Config(1, 3, False, True)],
                          ids=["2x3", "2x3-skip", "1x2-skip", "1x2-skip-splitn", "1x3-splitn"])
 @pytest.mark.parametrize("b, s, n, lo, width", [
     (1, 1, 1024, 0, 1024),        # decode, one block per CTA split
