@@ -10,11 +10,11 @@ import jax.numpy as jnp
 
 import dsv4_jax as dj
 from dsv4_jax import kv_entry, quant
-from dsv4_jax.ffi import dispatch, index_topk, indexer_sm90
+from dsv4_jax.ffi import index_topk, indexer_sm90
 from dsv4_jax.ffi.indexer_reference import _scores
 from dsv4_jax.kernels import index_scores_config
 from dsv4_jax.kernels.index_scores_config import DECODE_CONFIG, DEFAULT_CONFIG, PAIR_CONFIG
-from dsv4_jax.params import abstract_params
+from model_lowering import cute_calls, lower_decode_step
 
 BF16 = jnp.bfloat16
 H, D = 64, 128
@@ -113,12 +113,8 @@ def test_decode_step_lowers_the_score_kernel_on_the_rows():
     policy = dj.KernelPolicy(implementation="xla", ops={"index_topk": "cute"})
     model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 4096, kv_dtype="fp8+fp4"))
-    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
-    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
-    with dispatch.cuda_target():
-        text = step.trace(abstract_params(cfg), tok, cache).lower(
-            lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
+    text = lower_decode_step(model, cfg, cache)
+    calls = cute_calls(text)
     rows = 4096 // 4
     assert any(f"tensor<2x{rows}x72xui8>" in line for line in calls)
     assert f"tensor<2x{rows}x128xbf16>" not in text

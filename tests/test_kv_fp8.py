@@ -15,6 +15,7 @@ from dsv4_jax import kv_entry, plan, quant
 from dsv4_jax.ffi import sparse_attention, sparse_attention_reference
 from dsv4_jax.ffi.sparse_attention import SparseAttentionSm90Config, sparse_attention_cute
 from dsv4_jax.kernels import sparse_attention_config as kernel_config
+from model_lowering import cute_calls, lower_decode_step
 
 SCALE = 512 ** -0.5
 
@@ -175,25 +176,18 @@ def test_the_kernel_refuses_a_split_qk_config_for_fp8_rows():
 def test_the_policys_attention_config_reaches_the_models_kernel():
     """``KernelPolicy.sparse_attention`` is the config the model's attention launches with:
     a split QK^T over FP8 tables is refused when the decode step is lowered."""
-    from dsv4_jax.ffi import dispatch
-    from dsv4_jax.params import abstract_params
     cfg = dj.Config.tiny(n_heads=64, o_groups=8)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256, kv_dtype="fp8"))
-    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
     for config, ok in ((SparseAttentionSm90Config(64, 2, False), True),
                        (SparseAttentionSm90Config(64, 2, True), False)):
         policy = dj.KernelPolicy(implementation="xla", ops={"sparse_attention": "cute"},
                                  sparse_attention=config)
         model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
-        step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
-        with dispatch.cuda_target():
-            if ok:
-                text = step.trace(abstract_params(cfg), tok, cache).lower(
-                    lowering_platforms=("cuda",)).as_text()
-                assert "custom_call @CuteDSLRT" in text
-            else:
-                with pytest.raises(ValueError, match="qk_split=True with an FP8 second pool"):
-                    step.trace(abstract_params(cfg), tok, cache)
+        if ok:
+            assert cute_calls(lower_decode_step(model, cfg, cache))
+        else:
+            with pytest.raises(ValueError, match="qk_split=True with an FP8 second pool"):
+                lower_decode_step(model, cfg, cache)
 
 
 def test_op_rejects_fp8_rows_of_another_width():
@@ -263,19 +257,13 @@ def test_model_with_an_fp8_cache_gives_the_bf16_caches_logits():
 def test_decode_step_lowers_to_the_kernel_reading_the_fp8_tables():
     """The model's decode step for a Hopper GPU (lowered on CPU): each CSA/HCA layer's
     attention kernel takes its FP8 table as it is -- no decoded BF16 copy of a table."""
-    from dsv4_jax.ffi import dispatch
-    from dsv4_jax.params import abstract_params
     cfg = dj.Config.tiny(n_heads=64, o_groups=8)
     others = {op: "xla" for op in ("grouped_gemm", "moe_experts", "hc_pre",
                                    "hc_split_sinkhorn", "moe_router", "index_topk")}
     model = dj.DSV4(cfg, implementation=dj.KernelPolicy(ops=others), runtime_checks=False)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, 256, kv_dtype="fp8"))
-    tok = jax.ShapeDtypeStruct((2, 1), jnp.int32)
-    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
-    with dispatch.cuda_target():
-        text = step.trace(abstract_params(cfg), tok, cache).lower(
-            lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "custom_call @CuteDSLRT" in line]
+    text = lower_decode_step(model, cfg, cache)
+    calls = cute_calls(text)
     for ratio in (4, 128):                          # the CSA and the HCA tables
         rows = 2 * 256 // ratio
         assert any(f"tensor<{rows}x584xui8>" in line for line in calls), ratio
