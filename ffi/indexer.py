@@ -34,7 +34,9 @@ the largest multiple of ``MIN_BLOCK`` entries that fits. The ids do not depend o
 
 Implementations: ``"xla"``, ``index_topk_reference`` (``ffi/indexer_reference.py``);
 ``"cute"``, ``ffi/indexer_sm90.py``: the scores of each block from a Hopper kernel
-(``kernels/index_scores_sm90.py``: bf16 q, keys and weights, 64 heads of width 128), as bf16
+(``kernels/index_scores_sm90.py``: bf16 q and weights, bf16 keys or MXFP4 rows widened to
+bf16 in the kernel, 64 heads of width 128; its launch config from
+``index_scores_config.choose_config``), as bf16
 ``[B, S, block]`` (the ``[B, S, H, block]`` products stay in registers), merged by the same
 running top-k -- from ``indexer_reference.TOP_K_ROWS`` query rows on (prefill) by a CuTe
 top-k kernel (``kernels/index_topk_sm90.py``, exactly ``lax.top_k``'s values and ids), else
