@@ -10,14 +10,17 @@ query ``(b, s)`` of a chunk (``ffi/indexer.py``, the model's rounding points)::
 written as bf16 ``[B, S, width]``: the ``[B, S, H, width]`` products never leave registers.
 
 Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups; CTA = a group of
-``2 x tokens_per_warpgroup`` queries of one batch row x one split of the entry blocks):
+``2 x tokens_per_warpgroup`` queries -- one with ``split_n`` -- of one batch row x one split
+of the entry blocks):
 
 1. WG0 copies the group's Q tiles (64 heads x 128, bf16, 128B-swizzled, one per query) once,
    then each block of 128 key rows into a ``num_stages`` mbarrier ring (``cp.async`` 16 B per
    thread, a half warp per 256 B row; rows past the table read its last row: masked).
 2. Math warpgroup w multiplies its queries' Q tiles by the stage (WGMMA m64 n128 k16, both
    operands from shared memory, f32 accumulators: 64 heads x 128 entries per query) and
-   releases the stage.
+   releases the stage. ``split_n`` (a decode row's one query): both warpgroups multiply that
+   query, warpgroup w the stage's rows 64 w .. 64 w + 63 (WGMMA n64), and each sums and
+   stores its 64 entries.
 3. Epilogue in registers: each accumulator pair is rounded to bf16x2, ReLU'd and multiplied
    by the head's weight in bf16x2 (one ``mul.rn``: the exact product rounded, as the
    reference), then unpacked to f32. The head sum: a thread adds its two rows (g, g + 8),
