@@ -29,8 +29,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .quant import (FP4_DTYPE, FP4_MAX, FP8_DTYPE, _block_scale, _blocked, act_quant,
-                    e8m0_to_f32, pack_fp4, unpack_fp4)
+from .quant import (FP8_DTYPE, act_quant, dequant_fp4_weight, e8m0_to_f32,
+                    quantize_fp4_weight)
 
 __all__ = ["KV_DTYPES", "SCALE_BLOCK", "INDEX_SCALE_BLOCK", "entry_bytes", "rope_dim_of",
            "encode", "decode", "index_key_bytes", "encode_index_keys", "decode_index_keys",
@@ -111,16 +111,13 @@ def index_key_bytes(dim: int) -> int:
 
 def encode_index_keys(x: jax.Array) -> jax.Array:
     """Index keys ``[..., Di]`` (any float dtype) -> uint8 rows ``[..., index_key_bytes(Di)]``,
-    quantised as ``quant.fp4_simulate`` does."""
+    quantised as ``quant.fp4_simulate`` does (the FP4 weight format's codes and scales)."""
     dim = x.shape[-1]
     width = index_key_bytes(dim)
-    xb = _blocked(x.astype(jnp.float32), INDEX_SCALE_BLOCK)
-    scales = _block_scale(xb, 6.0 * 2.0 ** -126, FP4_MAX)
-    codes = jnp.clip(xb / scales, -FP4_MAX, FP4_MAX).astype(FP4_DTYPE).astype(jnp.float32)
-    code_bytes = jax.lax.bitcast_convert_type(pack_fp4(codes.reshape(x.shape)), jnp.uint8)
-    exponent = (jax.lax.bitcast_convert_type(scales[..., 0], jnp.uint32) >> 23) & 0xFF
+    packed, scales = quantize_fp4_weight(x, INDEX_SCALE_BLOCK)
     pad = jnp.zeros((*x.shape[:-1], width - dim // 2 - dim // INDEX_SCALE_BLOCK), jnp.uint8)
-    return jnp.concatenate([code_bytes, exponent.astype(jnp.uint8), pad], axis=-1)
+    return jnp.concatenate([jax.lax.bitcast_convert_type(packed, jnp.uint8),
+                            jax.lax.bitcast_convert_type(scales, jnp.uint8), pad], axis=-1)
 
 
 def decode_index_keys(rows: jax.Array, dim: int, dtype=jnp.bfloat16) -> jax.Array:
@@ -130,11 +127,8 @@ def decode_index_keys(rows: jax.Array, dim: int, dtype=jnp.bfloat16) -> jax.Arra
         raise ValueError(f"kv_entry.decode_index_keys: rows of {rows.shape[-1]} bytes are no "
                          f"MXFP4 index key layout of width {dim} "
                          f"({index_key_bytes(dim)} bytes)")
-    lead = rows.shape[:-1]
-    codes = unpack_fp4(rows[..., :dim // 2])
-    scales = e8m0_to_f32(rows[..., dim // 2:dim // 2 + dim // INDEX_SCALE_BLOCK])
-    values = codes.reshape(*lead, dim // INDEX_SCALE_BLOCK, INDEX_SCALE_BLOCK) * scales[..., None]
-    return values.astype(dtype).reshape(*lead, dim)
+    scales = rows[..., dim // 2:dim // 2 + dim // INDEX_SCALE_BLOCK]
+    return dequant_fp4_weight(rows[..., :dim // 2], scales, INDEX_SCALE_BLOCK).astype(dtype)
 
 
 def is_index_key_rows(table, dim: int) -> bool:
@@ -160,6 +154,7 @@ def check_kv_dtype(kv_dtype, head_dim: int, rope_dim: int, dtype,
         if kv_dtype == "fp8+fp4" and index_dim is not None:
             index_key_bytes(index_dim)
         if jnp.dtype(dtype) != jnp.bfloat16:
-            raise ValueError(f"kv_dtype={kv_dtype!r} keeps the RoPE dims in BF16 (the official entry "
-                             f"layout): the cache dtype must be bfloat16, got {jnp.dtype(dtype)}")
+            raise ValueError(f"kv_dtype={kv_dtype!r} keeps the RoPE dims in BF16 (the official "
+                             f"entry layout): the cache dtype must be bfloat16, got "
+                             f"{jnp.dtype(dtype)}")
     return kv_dtype
