@@ -9,7 +9,20 @@ for this mesh, then measured), compile times and tokens/s. Figures go to stdout 
 The batch splits over every device: a smaller batch runs padded to one row per device
 (tokens/s counts the real rows only).
 
-    source .device/setup.sh && python3 -P benchmarks/flash_multi_gpu.py --batch 8
+Decode figures at several batches (``--batches``) skip the prompt: the generate loop runs on a
+cache whose rows hold ``--ctx`` tokens (lengths set, entries zero: the same cost), one
+compiled loop per batch, the parameters generated once. ``--profile`` then traces one loop per
+batch: device time and kernel launches per step, and the share of the collectives (the
+expert-parallel all-to-all, the head's and embedding's gathers) -- run it with
+``DSV4_COMMAND_BUFFERS=default``, or the profiler sees CUDA graphs, not kernels. A long
+prompt (``--long-prompt N``) is prefilled in ``--chunk``-token chunks per row (one row per
+device: the real prompt and copies of it as padding), then the loop decodes from it.
+
+    source .device/setup.sh && python3 benchmarks/flash_multi_gpu.py --batch 8
+    python3 benchmarks/flash_multi_gpu.py --batches 1,8,64 --ctx 4096 --steps 24
+    DSV4_COMMAND_BUFFERS=default python3 benchmarks/flash_multi_gpu.py --batches 8 --ctx 4096 \
+        --profile
+    python3 benchmarks/flash_multi_gpu.py --long-prompt 131072 --chunk 4096 --max-len 139264
     python3 benchmarks/flash_multi_gpu.py --layers 4          # a reduced stack (say so!)
     python3 benchmarks/flash_multi_gpu.py --model pro --batch 64 --prompt 1024 --max-len 4096
     # no GPU: lower and compile on 8 simulated CPU devices with abstract parameters
@@ -19,9 +32,11 @@ The batch splits over every device: a smaller batch runs padded to one row per d
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
+import sys
 import time
 
 import dsv4_jax as dj  # noqa: F401  (first: XLA flags)
@@ -30,9 +45,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv4_jax import plan, sharding
-from dsv4_jax.decoding import build_programs
+from dsv4_jax.decoding import build_programs, run_prefill
 from dsv4_jax.generation import plain_method
 from dsv4_jax.mesh_rules import axis_size
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import step_figures as figures  # noqa: E402  (a sibling module of this script)
 
 
 def gib(n):
@@ -65,6 +83,16 @@ def main():
                     help="mesh expert axis (default: the devices not used by --data)")
     ap.add_argument("--dry-run", action="store_true",
                     help="lower and compile with abstract parameters and cache; allocate nothing")
+    ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                    help="decode figures at these batches from a cache of --ctx tokens per row "
+                         "(no prompt)")
+    ap.add_argument("--ctx", type=int, default=4096, help="tokens per row for --batches")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --batches: trace one loop per batch (device time, launches, "
+                         "collectives); needs DSV4_COMMAND_BUFFERS=default")
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="prefill one prompt of this many tokens in --chunk chunks, then decode")
+    ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk per row")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     report = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(args))
@@ -106,6 +134,11 @@ def main():
     params = dj.init_params(cfg, 0, shardings=sharding.param_shardings(cfg, mesh))
     jax.block_until_ready(params)
     log(init_s=round(time.perf_counter() - t, 1), memory_after_init=device_memory())
+
+    if args.batches:
+        return decode_figures(args, cfg, mesh, params, log)
+    if args.long_prompt:
+        return long_prompt(args, cfg, mesh, params, log)
 
     model = dj.DSV4(cfg, mesh=mesh, runtime_checks=False)
     tokens = jax.random.randint(jax.random.key(1), (b, p), 2, cfg.vocab_size, jnp.int32)
@@ -167,6 +200,108 @@ def main():
     log(generate_step_median_s=round(gen, 4), generate_tokens_per_s=round(args.batch / gen, 1),
         memory_after_generate=device_memory())
 
+
+
+COLLECTIVE_NAMES = ("nccl", "all-to-all", "all_to_all", "all-gather", "all_gather",
+                    "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce")
+
+
+def kernel_group(name: str) -> str:
+    """A traced kernel's group: the collectives, a CuTe kernel's op, or XLA's own kernels."""
+    low = name.lower()
+    if any(c in low for c in COLLECTIVE_NAMES):
+        return "collectives (all-to-all, gathers)"
+    if "kernel_cutlass" in name:
+        return next((label for key, label in figures.CUTE_KERNELS if key in name), "other CuTe")
+    return "XLA fusions, copies"
+
+
+def decode_figures(args, cfg, mesh, params, log):
+    """The generate loop per step at each of ``args.batches`` from a cache of ``args.ctx``
+    tokens per row; with ``args.profile`` also the traced loop's device time by group."""
+    n_rows = axis_size(mesh, "batch")
+    for batch in args.batches:
+        rows = -(-batch // n_rows) * n_rows
+        t = time.perf_counter()
+        per_step, first_s, run = figures.time_generate(
+            cfg, None, params, rows, args.ctx, args.steps, mesh=mesh)
+        result = dict(batch=batch, rows_run=rows, ctx=args.ctx,
+                      generate_step_ms=round(per_step * 1e3, 3),
+                      tokens_per_s=round(batch / per_step, 1),
+                      compile_and_first_s=round(first_s, 1),
+                      memory=device_memory())
+        if args.profile:
+            device_us, launches, totals, counts = figures.generate_profile(run, params)
+            steps = figures.PROFILE_STEPS - 1
+            groups = collections.Counter()
+            for name, us in totals.items():
+                groups[kernel_group(name)] += us / steps / len(jax.devices())
+            result.update(
+                device_us_per_step_per_gpu=round(device_us / len(jax.devices()), 1),
+                launches_per_step_per_gpu=round(launches / len(jax.devices()), 1),
+                groups_us_per_step_per_gpu={k: round(v, 1) for k, v in groups.most_common()},
+                top_kernels_us_per_step_per_gpu=[
+                    (name[:90], round(us / steps / len(jax.devices()), 1),
+                     round(counts[name] / steps / len(jax.devices()), 2))
+                    for name, us in totals.most_common(16)])
+        log(**{f"decode_b{batch}_ctx{args.ctx}": result,
+               f"decode_b{batch}_total_s": round(time.perf_counter() - t, 1)})
+        del run
+
+
+def long_prompt(args, cfg, mesh, params, log):
+    """One ``args.long_prompt``-token prompt prefilled in ``args.chunk``-token chunks (each
+    device prefills one row: the prompt, and copies of it as padding rows), then the generate
+    loop decodes ``args.steps`` tokens from it."""
+    n_rows = axis_size(mesh, "batch")
+    if args.long_prompt % args.chunk:
+        raise ValueError(f"--long-prompt {args.long_prompt} is not a multiple of --chunk "
+                         f"{args.chunk}")
+    max_len = max(args.max_len, -(-(args.long_prompt + 2 * args.steps) // 4096) * 4096)
+    model = dj.DSV4(cfg, mesh=mesh, runtime_checks=False)
+    programs = build_programs(plain_method(model, dj.Greedy()))
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(2, cfg.vocab_size, args.long_prompt).astype(np.int32)
+    tokens = np.tile(prompt, (n_rows, 1))
+    lengths = np.full((n_rows,), args.long_prompt, np.int32)
+    chunks = tuple((o, args.chunk) for o in range(0, args.long_prompt, args.chunk))
+    stop, key = jnp.array([-7], jnp.int32), jax.random.key(0)
+    done_at = []
+
+    def progress(done, total):
+        done_at.append((done, time.perf_counter()))
+
+    for attempt in ("compile_and_first", "timed"):
+        cache = dj.Cache.init(cfg, n_rows, max_len, mesh=mesh)
+        t = time.perf_counter()
+        done_at.clear()
+        first, first_lp, state, count, done, cache = run_prefill(
+            programs, params, tokens, lengths, cache, key, stop, jnp.int32(args.steps),
+            chunks=chunks, progress=progress)
+        jax.block_until_ready(first)
+        took = time.perf_counter() - t
+        log(**{f"long_prompt_{attempt}": dict(
+            tokens=args.long_prompt, rows_run=n_rows, chunk=args.chunk, max_len=max_len,
+            prefill_s=round(took, 2), tokens_per_s=round(args.long_prompt / took, 1),
+            first_chunk_s=round(done_at[0][1] - t, 2),
+            last_chunk_s=round(done_at[-1][1] - done_at[-2][1], 3) if len(done_at) > 1
+            else None, memory=device_memory())})
+        if attempt == "compile_and_first":
+            del cache, first, first_lp, state
+    def decode(budget):
+        t = time.perf_counter()
+        jax.block_until_ready(programs.loop(
+            params, first, first_lp, state, jax.tree.map(jnp.copy, cache), key, stop,
+            jnp.int32(budget), steps=args.steps)[0])
+        return time.perf_counter() - t
+
+    short = max(2, args.steps // 4)
+    compile_s = decode(args.steps)
+    per_step = statistics.median(
+        (decode(args.steps) - decode(short)) / (args.steps - short) for _ in range(3))
+    log(long_prompt_decode=dict(ctx=args.long_prompt, generate_step_ms=round(per_step * 1e3, 3),
+                                compile_and_first_s=round(compile_s, 1),
+                                memory=device_memory()))
 
 if __name__ == "__main__":
     main()

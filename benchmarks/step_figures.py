@@ -41,19 +41,25 @@ HBM_BYTES_PER_S = 4.3e12
 PROFILE_STEPS = 8
 
 
-def filled_cache(cfg, batch: int, ctx: int, max_len: int, kv_dtype: str | None = None):
-    """A cache whose rows hold ``ctx`` tokens (lengths set; entries zero -- the same cost)."""
-    cache = dj.Cache.init(cfg, batch, max_len, kv_dtype=kv_dtype)
-    return cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
+def filled_cache(cfg, batch: int, ctx: int, max_len: int, kv_dtype: str | None = None,
+                 mesh=None):
+    """A cache whose rows hold ``ctx`` tokens (lengths set; entries zero -- the same cost);
+    with ``mesh``, split over its batch axes as ``Cache.init`` splits it."""
+    cache = dj.Cache.init(cfg, batch, max_len, kv_dtype=kv_dtype, mesh=mesh)
+    lengths = jnp.full((batch,), ctx, jnp.int32)
+    if mesh is not None:
+        lengths = jax.device_put(lengths, cache.lengths.sharding)
+    return cache.replace(lengths=lengths)
 
 
 def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bool = False,
-                  kv_dtype: str | None = None):
+                  kv_dtype: str | None = None, mesh=None):
     """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache:
     ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text.
     ``speculative``: MTP drafting (``speculative_method``; its state comes from a one-token
-    prefill on the filled cache)."""
-    model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
+    prefill on the filled cache). ``mesh``: the model and cache on a device mesh (``batch``
+    a multiple of its data-parallel size)."""
+    model = dj.DSV4(cfg, implementation=policy, mesh=mesh, runtime_checks=False)
     method = (speculative_method if speculative else plain_method)(model, dj.Greedy())
     programs = build_programs(method)
     first = (5 + 7919 * jnp.arange(batch, dtype=jnp.int32)) % cfg.vocab_size
@@ -61,7 +67,7 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
     key = jax.random.key(0)
 
     def args(params, budget):
-        cache = filled_cache(cfg, batch, ctx, ctx + 2 * steps + 8, kv_dtype)
+        cache = filled_cache(cfg, batch, ctx, ctx + 2 * steps + 8, kv_dtype, mesh)
         budget = jnp.int32(budget)
         if not speculative:
             return (params, first, jnp.zeros((batch,), jnp.float32), first, cache, key, stop,
@@ -80,11 +86,11 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
 
 
 def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats: int = 3,
-                  speculative: bool = False, kv_dtype: str | None = None):
+                  speculative: bool = False, kv_dtype: str | None = None, mesh=None):
     """Wall seconds per generated token of the generate loop (median over ``repeats`` of the
     two-budget difference; one token per step without speculation) and the compile +
     first-run seconds."""
-    run = generate_loop(cfg, policy, batch, ctx, steps, speculative, kv_dtype)
+    run = generate_loop(cfg, policy, batch, ctx, steps, speculative, kv_dtype, mesh)
     short = max(2, steps // 4)
     t0 = time.perf_counter()
     out = jax.block_until_ready(run(params, steps))
