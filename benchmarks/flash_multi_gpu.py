@@ -231,7 +231,9 @@ def decode_figures(args, cfg, mesh, params, log):
                       compile_and_first_s=round(first_s, 1),
                       memory=device_memory())
         if args.profile:
-            device_us, launches, totals, counts = figures.generate_profile(run, params)
+            samples = {}
+            device_us, launches, totals, counts = figures.generate_profile(run, params,
+                                                                           samples=samples)
             steps = figures.PROFILE_STEPS - 1
             groups = collections.Counter()
             for name, us in totals.items():
@@ -243,7 +245,10 @@ def decode_figures(args, cfg, mesh, params, log):
                 top_kernels_us_per_step_per_gpu=[
                     (name[:90], round(us / steps / len(jax.devices()), 1),
                      round(counts[name] / steps / len(jax.devices()), 2))
-                    for name, us in totals.most_common(16)])
+                    for name, us in totals.most_common(16)],
+                top_kernel_trace_args={name[:90]: {k: str(v)[:160] for k, v in
+                                                   samples.get(name, {}).items()}
+                                       for name, _ in totals.most_common(6)})
         log(**{f"decode_b{batch}_ctx{args.ctx}": result,
                f"decode_b{batch}_total_s": round(time.perf_counter() - t, 1)})
         del run

@@ -107,9 +107,11 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
     return statistics.median(per_step), first_s, run
 
 
-def trace_device_ops(run_once):
+def trace_device_ops(run_once, samples: dict | None = None):
     """``run_once()`` under the JAX profiler: ``Counter`` of total us and of calls per device
-    op name (GPU streams; on a CPU-only run the XLA ops of the host threads)."""
+    op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
+    given, receives the trace arguments of each name's first event (sizes of copies, the HLO
+    op that launched a kernel)."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     run_once()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -131,12 +133,16 @@ def trace_device_ops(run_once):
                 continue
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
+            if samples is not None and e["name"] not in samples:
+                samples[e["name"]] = e.get("args", {})
     return totals, counts
 
 
-def generate_profile(run, params, steps: int = PROFILE_STEPS):
-    """Device us per step, launches per step and the op table of a ``steps``-step loop."""
-    totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)))
+def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None):
+    """Device us per step, launches per step and the op table of a ``steps``-step loop
+    (``samples``: as ``trace_device_ops``)."""
+    totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)),
+                                      samples)
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
 

@@ -10,19 +10,25 @@ same model code runs on one device (``mesh=None``: these functions are not calle
   reduce-scatter back to the local rows -- exact, one row per id is non-zero.
 * ``head_logits``: all-gather the hidden rows, local vocabulary slice of the logits, all-to-all
   back to full-vocabulary logits of the local rows.
-* ``expert_parallel``: tokens go to the devices owning their experts (all-to-all over
-  ``expert`` with a worst-case capacity, so nothing is ever dropped), each device runs its
-  local experts, results come back the same way and are summed per token.
+* ``expert_parallel``: each device runs its local experts on the assignments that reach them.
+  Few tokens (decode): every device of an ``expert`` group gathers the group's tokens, ids and
+  weights in one all-gather, computes the assignment rows of its own experts (zero rows for
+  the others) and a reduce-scatter hands each device its tokens' rows -- two collectives a
+  layer, each row non-zero on one device only, so the sum is exact. Many tokens (prefill):
+  tokens go to the devices owning their experts (all-to-all over ``expert`` with a
+  worst-case capacity, so nothing is ever dropped) and come back the same way. Either way
+  the rows are summed per token in assignment order, as on one device.
 * ``batch_parallel``: runs a per-row function (the sparse attention op) on local rows only.
 """
 from __future__ import annotations
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dsv4_jax.ffi.moe import sum_rows_per_token
-from dsv4_jax.mesh_rules import EXPERT, batch_axes
+from dsv4_jax.mesh_rules import EXPERT, axis_size, batch_axes
 
 
 def _shard_map(fn, mesh, in_specs, out_specs):
@@ -76,18 +82,65 @@ def batch_parallel(fn, mesh, batched_args: tuple, replicated_args: tuple, n_out:
                                                                      *replicated_args)
 
 
-def expert_parallel(x, route_w, route_idx, params, n_experts: int, mesh, rows_fn):
+# Tokens per device up to which the expert-parallel exchange gathers the group's tokens (two
+# small collectives a layer) instead of the capacity all-to-all (four, with sort and scatter
+# glue): decode and speculative steps; prefill chunks keep the all-to-all, whose return trip
+# moves half the rows (docs/performance.md, "Expert-parallel decode").
+GATHER_MAX_TOKENS = 64
+
+
+def pack_rows(*arrays) -> jax.Array:
+    """``[t, ...]`` arrays of any dtypes as one ``[t, bytes]`` uint8 array (their bits, in
+    order), so that one collective moves them all."""
+    return jnp.concatenate([jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(a.shape[0], -1)
+                            for a in arrays], axis=1)
+
+
+def unpack_rows(packed: jax.Array, like: tuple) -> list:
+    """The arrays ``pack_rows`` packed, for rows of ``packed``: ``like`` gives each one's
+    trailing shape and dtype (``jax.ShapeDtypeStruct`` of one row)."""
+    out, start = [], 0
+    for spec in like:
+        size = int(np.prod(spec.shape, dtype=np.int64)) * jnp.dtype(spec.dtype).itemsize
+        part = packed[:, start:start + size]
+        start += size
+        item = jnp.dtype(spec.dtype).itemsize
+        if item > 1:
+            part = part.reshape(packed.shape[0], -1, item)
+        out.append(jax.lax.bitcast_convert_type(part, spec.dtype).reshape(
+            (packed.shape[0],) + tuple(spec.shape)))
+    return out
+
+
+def expert_parallel(x, route_w, route_idx, params, n_experts: int, mesh, rows_fn,
+                    gather_max_tokens: int = GATHER_MAX_TOKENS):
     """Routed-expert sum for tokens split over the batch and experts split over ``expert``.
 
     ``rows_fn(rows [R, d], local expert [R], weight [R], local params) -> [R, d]`` computes
-    single assignments (``ffi.moe_expert_rows``); empty slots have expert -1 and weight 0 and
-    must come back as zero rows. Returns f32 ``[T, d]``.
+    single assignments (``ffi.moe_expert_rows``); ids outside ``[0, local experts)`` (-1 for
+    empty slots and for other devices' experts) must come back as zero rows. Returns f32
+    ``[T, d]``, each token's rows summed in assignment order (bit for bit the one-device sum).
+    ``gather_max_tokens``: the most tokens per device that take the gathering exchange.
     """
     axes = batch_axes(mesh)
     n = mesh.shape[EXPERT] if EXPERT in mesh.axis_names else 1
     per_device = n_experts // n
 
-    def local(xl, wl, il, pl):
+    def gathered(xl, wl, il, pl):
+        t, k = il.shape
+        row_specs = tuple(jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for v in (xl, il, wl))
+        packed = jax.lax.all_gather(pack_rows(xl, il, wl), EXPERT, axis=0, tiled=True)
+        xs, ids, ws = unpack_rows(packed, row_specs)             # the group's n t tokens
+        owner = ids // per_device
+        mine = owner == jax.lax.axis_index(EXPERT)
+        local_ids = jnp.where(mine, ids - owner * per_device, -1).reshape(-1)
+        rows = rows_fn(jnp.repeat(xs, k, axis=0), local_ids,
+                       jnp.where(mine, ws, 0).reshape(-1), pl)   # [n t k, d], zero if not mine
+        # Each assignment's row is non-zero on one device: the sum is that row, exactly.
+        mine_rows = jax.lax.psum_scatter(rows, EXPERT, scatter_dimension=0, tiled=True)
+        return sum_rows_per_token(mine_rows, None, t, k)
+
+    def all_to_all(xl, wl, il, pl):
         t, k = il.shape
         a = t * k
         flat_e, flat_w = il.reshape(a), wl.reshape(a)
@@ -114,6 +167,8 @@ def expert_parallel(x, route_w, route_idx, params, n_experts: int, mesh, rows_fn
         back = exchange(out.reshape(n, a, -1))
         return sum_rows_per_token(back[d_sorted, slot], order, t, k)
 
+    local_tokens = x.shape[0] // axis_size(mesh, "batch")
+    local = gathered if n > 1 and local_tokens <= gather_max_tokens else all_to_all
     expert_spec = jax.tree.map(lambda v: None if v is None else _spec(mesh, v.ndim, EXPERT),
                                params, is_leaf=lambda v: v is None)
     return _shard_map(local, mesh, (_spec(mesh, 2, axes), _spec(mesh, 2, axes),

@@ -110,3 +110,39 @@ def test_load_official_format_checkpoint_onto_a_mesh(tmp_path):
         {"params": params8}, toks, dj.Cache.init(model8.config, 8, 64, mesh=mesh))
     l1, _ = jax.jit(model1.apply)({"params": params1}, toks, dj.Cache.init(model1.config, 8, 64))
     assert max_abs(l1, l8) < 1e-4
+
+
+@pytest.mark.parametrize("data,expert,batch", [(1, 8, 8), (2, 4, 8), (1, 8, 32)])
+def test_expert_exchanges_give_the_one_device_sum_bit_for_bit(data, expert, batch):
+    """The gathering exchange (decode sizes) and the capacity all-to-all (prefill sizes) hand
+    every token the one-device sum of its routed rows, bit for bit: BF16 rows, quantised FP4
+    experts under the FP8 simulation, skewed routings (one device owns most assignments)."""
+    from dsv4_jax.models.moe import expert_rows, routed_experts
+    from dsv4_jax.models.parallel import expert_parallel
+    cfg = dj.Config.tiny(quantized=True)
+    params = dj.init_params(cfg, 0)["layers_2"]["ffn"]["experts"]
+    experts = {name: (leaf["weight"], leaf.get("scale")) for name, leaf in params.items()}
+    mesh = sharding.make_mesh(data=data, expert=expert)
+    e, k = cfg.n_routed_experts, cfg.n_activated_experts
+    key_x, key_i, key_w = jax.random.split(jax.random.key(batch), 3)
+    x = jax.random.normal(key_x, (batch, cfg.dim), jnp.bfloat16)
+    skewed = jax.random.randint(key_i, (batch, k), 0, e // expert + 2)      # mostly device 0
+    ids = jnp.where(jnp.arange(batch)[:, None] % 3 == 0, skewed,
+                    jax.random.permutation(key_i, e)[:k][None, :] * jnp.ones_like(skewed))
+    w = jax.random.uniform(key_w, (batch, k), jnp.float32, 0.1, 1.0)
+    one = routed_experts(x, w, ids, experts, cfg)
+    local = {n: jax.tree.map(lambda v: None if v is None else
+                             jax.device_put(v, jax.sharding.NamedSharding(mesh, P("expert"))),
+                             pair, is_leaf=lambda v: v is None)
+             for n, pair in experts.items()}
+
+    def run(gather_max_tokens):
+        fn = jax.jit(lambda x, w, i, p: expert_parallel(
+            x, w, i, p, e, mesh, lambda r, ea, wa, lp: expert_rows(r, ea, wa, lp, cfg),
+            gather_max_tokens=gather_max_tokens))
+        return np.asarray(fn(x, w, ids, local))
+
+    gathered, exchanged = run(batch), run(0)
+    np.testing.assert_array_equal(gathered, exchanged)
+    np.testing.assert_array_equal(gathered, np.asarray(one))
+    assert np.abs(gathered).max() > 0
