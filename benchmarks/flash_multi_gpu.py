@@ -16,7 +16,7 @@ batch: device time and kernel launches per step, and the share of the collective
 expert-parallel all-to-all, the head's and embedding's gathers) -- run it with
 ``DSV4_COMMAND_BUFFERS=default``, or the profiler sees CUDA graphs, not kernels. A long
 prompt (``--long-prompt N``) is prefilled in ``--chunk``-token chunks per row (one row per
-device: the real prompt and copies of it as padding), then the loop decodes from it.
+device: the real prompt and copies of it as padding), timed chunk by chunk.
 
     source .device/setup.sh && python3 benchmarks/flash_multi_gpu.py --batch 8
     python3 benchmarks/flash_multi_gpu.py --batches 1,8,64 --ctx 4096 --steps 24
@@ -248,7 +248,10 @@ def decode_figures(args, cfg, mesh, params, log):
                     for name, us in totals.most_common(16)],
                 top_kernel_trace_args={name[:90]: {k: str(v)[:160] for k, v in
                                                    samples.get(name, {}).items()}
-                                       for name, _ in totals.most_common(6)})
+                                       for name, _ in totals.most_common(6)},
+                copies_us_per_step_per_gpu=sorted(
+                    ((k, round(v / steps / len(jax.devices()), 1)) for k, v in samples.items()
+                     if k.startswith("copy ")), key=lambda kv: -kv[1])[:12])
         log(**{f"decode_b{batch}_ctx{args.ctx}": result,
                f"decode_b{batch}_total_s": round(time.perf_counter() - t, 1)})
         del run
@@ -256,8 +259,9 @@ def decode_figures(args, cfg, mesh, params, log):
 
 def long_prompt(args, cfg, mesh, params, log):
     """One ``args.long_prompt``-token prompt prefilled in ``args.chunk``-token chunks (each
-    device prefills one row: the prompt, and copies of it as padding rows), then the generate
-    loop decodes ``args.steps`` tokens from it."""
+    device prefills one row: the prompt, and copies of it as padding rows), timed chunk by
+    chunk: the first two chunks compile (the second sees the first one's output shardings),
+    so the prefill time of warm programs is the median chunk times the chunk count."""
     n_rows = axis_size(mesh, "batch")
     if args.long_prompt % args.chunk:
         raise ValueError(f"--long-prompt {args.long_prompt} is not a multiple of --chunk "
@@ -271,42 +275,21 @@ def long_prompt(args, cfg, mesh, params, log):
     lengths = np.full((n_rows,), args.long_prompt, np.int32)
     chunks = tuple((o, args.chunk) for o in range(0, args.long_prompt, args.chunk))
     stop, key = jnp.array([-7], jnp.int32), jax.random.key(0)
-    done_at = []
-
-    def progress(done, total):
-        done_at.append((done, time.perf_counter()))
-
-    for attempt in ("compile_and_first", "timed"):
-        cache = dj.Cache.init(cfg, n_rows, max_len, mesh=mesh)
-        t = time.perf_counter()
-        done_at.clear()
-        first, first_lp, state, count, done, cache = run_prefill(
-            programs, params, tokens, lengths, cache, key, stop, jnp.int32(args.steps),
-            chunks=chunks, progress=progress)
-        jax.block_until_ready(first)
-        took = time.perf_counter() - t
-        log(**{f"long_prompt_{attempt}": dict(
-            tokens=args.long_prompt, rows_run=n_rows, chunk=args.chunk, max_len=max_len,
-            prefill_s=round(took, 2), tokens_per_s=round(args.long_prompt / took, 1),
-            first_chunk_s=round(done_at[0][1] - t, 2),
-            last_chunk_s=round(done_at[-1][1] - done_at[-2][1], 3) if len(done_at) > 1
-            else None, memory=device_memory())})
-        if attempt == "compile_and_first":
-            del cache, first, first_lp, state
-    def decode(budget):
-        t = time.perf_counter()
-        jax.block_until_ready(programs.loop(
-            params, first, first_lp, state, jax.tree.map(jnp.copy, cache), key, stop,
-            jnp.int32(budget), steps=args.steps)[0])
-        return time.perf_counter() - t
-
-    short = max(2, args.steps // 4)
-    compile_s = decode(args.steps)
-    per_step = statistics.median(
-        (decode(args.steps) - decode(short)) / (args.steps - short) for _ in range(3))
-    log(long_prompt_decode=dict(ctx=args.long_prompt, generate_step_ms=round(per_step * 1e3, 3),
-                                compile_and_first_s=round(compile_s, 1),
-                                memory=device_memory()))
+    cache = dj.Cache.init(cfg, n_rows, max_len, mesh=mesh)
+    done_at = [time.perf_counter()]
+    first = run_prefill(programs, params, tokens, lengths, cache, key, stop,
+                        jnp.int32(args.steps), chunks=chunks,
+                        progress=lambda done, total: done_at.append(time.perf_counter()))[0]
+    jax.block_until_ready(first)
+    took = np.diff(done_at)
+    warm = float(np.median(took[2:])) if len(took) > 2 else float(took[-1])
+    log(long_prompt=dict(
+        tokens=args.long_prompt, rows_run=n_rows, chunk=args.chunk, max_len=max_len,
+        prefill_with_compile_s=round(done_at[-1] - done_at[0], 2),
+        first_two_chunks_s=[round(float(c), 2) for c in took[:2]],
+        median_chunk_s=round(warm, 3), warm_prefill_s=round(warm * len(chunks), 2),
+        warm_tokens_per_s=round(args.chunk / warm, 1),
+        last_chunk_s=round(float(took[-1]), 3), memory=device_memory()))
 
 if __name__ == "__main__":
     main()

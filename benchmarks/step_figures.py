@@ -110,8 +110,8 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
 def trace_device_ops(run_once, samples: dict | None = None):
     """``run_once()`` under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
-    given, receives the trace arguments of each name's first event (sizes of copies, the HLO
-    op that launched a kernel)."""
+    given, receives the trace arguments of each name's first event (the HLO op that launched
+    a kernel) and, under ``"copy <module>/<op> <size> B"``, the total us of each copy."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     run_once()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -133,8 +133,13 @@ def trace_device_ops(run_once, samples: dict | None = None):
                 continue
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
-            if samples is not None and e["name"] not in samples:
-                samples[e["name"]] = e.get("args", {})
+            if samples is not None:
+                args = e.get("args", {})
+                samples.setdefault(e["name"], args)
+                if e["name"].startswith("Memcpy"):    # copies by the op that made them
+                    size = args.get("memcpy_details", "").rpartition("size:")[2].split(" ")[0]
+                    key = f"copy {args.get('hlo_module')}/{args.get('hlo_op')} {size} B"
+                    samples[key] = samples.get(key, 0) + e["dur"]
     return totals, counts
 
 
