@@ -33,13 +33,16 @@ from typing import Callable, Sequence
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .generation_options import GenerationOptions
+from .mesh_rules import axis_size
 from .tokenizer import ByteTokenizer
 
 __all__ = ["GenerationResult", "StreamEvent", "Method", "Programs", "Prepared", "bucket",
            "prefill_alignment", "default_prefill_chunk", "prefill_chunks", "prepare_prompts",
-           "token_logprob", "build_programs", "run_prefill", "ends_in_chunk", "chunk_num_new",
+           "token_logprob", "build_programs", "run_prefill", "place_like_rows", "ends_in_chunk",
+           "chunk_num_new",
            "finish", "timed"]
 
 
@@ -135,6 +138,12 @@ class Prepared:
     steps: int                    # bucketed budget (static output width)
     tokenizer: object
     chunks: tuple = ()            # (offset, width) of each prefill call
+    real_rows: int | None = None  # rows that are prompts (the rest pad a mesh's batch)
+
+    @property
+    def rows(self) -> int:
+        """The prompts' rows (the first ``rows`` of every batch array)."""
+        return len(self.lengths) if self.real_rows is None else self.real_rows
 
 
 def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=None,
@@ -163,6 +172,12 @@ def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=Non
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {cfg.vocab_size})")
         ids.append(p)
+    # A model on a mesh splits the batch over its data-parallel devices: pad with copies of
+    # the last prompt (their results are dropped) to a multiple of that count.
+    real_rows = len(ids)
+    mesh = getattr(model, "mesh", None)
+    if mesh is not None:
+        ids = ids + [ids[-1]] * (-len(ids) % axis_size(mesh, "batch"))
     stop_tokens = (cfg.eos_token_id,) if options.stop_tokens is None else options.stop_tokens
     bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
     if bad:
@@ -194,7 +209,7 @@ def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=Non
         tokens[i, :len(p)] = p
     return Prepared(tokens, np.array([len(p) for p in ids], np.int32),
                     np.array(stop_tokens or (-1,), np.int32), int(max_len), max_new_tokens,
-                    steps, tokenizer, chunks)
+                    steps, tokenizer, chunks, real_rows)
 
 
 def token_logprob(logits, token):
@@ -300,7 +315,9 @@ def run_prefill(programs: Programs, params, tokens, lengths, cache, key, stop, b
     tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int32)
     b, total = tokens.shape
     chunks = ((0, total),) if chunks is None else chunks
-    carry = programs.method.init_carry(b)
+    # On a mesh the chunks' program returns the carry split like the cache: start it that way,
+    # or the second chunk compiles the program again for the new input shardings.
+    carry = place_like_rows(programs.method.init_carry(b), cache.lengths)
     lengths_dev = jnp.asarray(lengths)
     for offset, width in chunks:
         end = offset + width
@@ -312,6 +329,22 @@ def run_prefill(programs: Programs, params, tokens, lengths, cache, key, stop, b
             jax.block_until_ready(carry)
             progress(min(end, int(lengths.max())), int(lengths.max()))
     return (*programs.start(carry, stop, budget), cache)
+
+
+def place_like_rows(tree, rows: jax.Array):
+    """``tree`` with its batch-leading arrays (``rows.shape[0]`` first) split like ``rows``
+    when ``rows`` is split over a mesh; unchanged otherwise."""
+    sharding = rows.sharding
+    if not isinstance(sharding, NamedSharding):
+        return tree
+    first = sharding.spec[0] if len(sharding.spec) else None
+
+    def place(x):
+        if isinstance(x, (jax.Array, np.ndarray)) and x.ndim and x.shape[0] == rows.shape[0]:
+            return jax.device_put(x, NamedSharding(sharding.mesh,
+                                                   P(first, *([None] * (x.ndim - 1)))))
+        return x
+    return jax.tree.map(place, tree)
 
 
 def ends_in_chunk(lengths, offset, width):
@@ -328,7 +361,7 @@ def finish(prep: Prepared, rows, lps, logprobs: bool, stats: dict) -> Generation
     """Host result of the output buffers: rows cut at their first stop token and the budget."""
     stop = set(prep.stop_tokens.tolist())
     tokens, reasons, lp_out = [], [], []
-    for r, row in enumerate(rows):
+    for r, row in enumerate(rows[:prep.rows]):
         row = [int(t) for t in row if t >= 0][:prep.budget]
         cut = next((k for k, t in enumerate(row) if t in stop), None)
         reasons.append("stop" if cut is not None else "length")

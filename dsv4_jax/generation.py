@@ -163,14 +163,14 @@ def _generate(model, params, prompts, options: GenerationOptions, *,
     started = time.perf_counter()
     with count_compilations() as compiled:
         cache = Cache.init(model.config, len(prep.lengths), prep.max_len,
-                           kv_dtype=options.kv_dtype)
+                           kv_dtype=options.kv_dtype, mesh=getattr(model, "mesh", None))
         (first, first_lp, state, _, _, cache), t_prefill = timed(
             _prefill, programs, params, prep, cache, key, stop, options)
         (out, lps, state, cache), t_decode = timed(
             programs.loop, params, first, first_lp, state, cache, key, stop,
             jnp.int32(prep.budget), steps=prep.steps)
     rows = np.asarray(out)
-    n_tokens = int(np.sum(rows >= 0))
+    n_tokens = int(np.sum(rows[:prep.rows] >= 0))
     run_s = time.perf_counter() - started - compiled.seconds
     stats = dict(prefill_s=t_prefill, decode_s=t_decode, compile_s=compiled.compile_s,
                  trace_s=compiled.trace_s, compilations=compiled.compilations,
@@ -217,15 +217,17 @@ def _stream(model, params, prompts, options: GenerationOptions, *,
     key = jax.random.key(options.seed)
     stop = jnp.asarray(prep.stop_tokens)
     budget = jnp.int32(prep.budget)
-    text = _IncrementalText(prep.tokenizer, len(prep.lengths), set(prep.stop_tokens.tolist()))
+    text = _IncrementalText(prep.tokenizer, prep.rows, set(prep.stop_tokens.tolist()))
     cache = Cache.init(model.config, len(prep.lengths), prep.max_len,
-                       kv_dtype=options.kv_dtype)
+                       kv_dtype=options.kv_dtype, mesh=getattr(model, "mesh", None))
     first, first_lp, state, count, done, cache = _prefill(programs, params, prep, cache, key,
                                                           stop, options)
-    tokens, lps, now_done = np.asarray(first)[:, None], np.asarray(first_lp)[:, None], done
+    real = prep.rows                      # rows past it pad a mesh's batch: not shown
+    tokens, lps = np.asarray(first)[:real, None], np.asarray(first_lp)[:real, None]
+    now_done = done
     position, i = 0, 1
     while True:
-        now_done = np.asarray(now_done)
+        now_done = np.asarray(now_done)[:real]
         for k in range(tokens.shape[1]):
             if k and not (tokens[:, k] >= 0).any():
                 break
@@ -238,7 +240,8 @@ def _stream(model, params, prompts, options: GenerationOptions, *,
             return
         state, count, done, cache, step_tokens, step_lps = programs.step(
             params, state, count, done, cache, key, jnp.int32(i), stop, budget)
-        tokens, lps, now_done = np.asarray(step_tokens), np.asarray(step_lps), done
+        tokens, lps = np.asarray(step_tokens)[:real], np.asarray(step_lps)[:real]
+        now_done = done
         i += 1
 
 

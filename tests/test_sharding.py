@@ -2,6 +2,8 @@
 
 Runs on 8 simulated CPU devices (tests/conftest.py sets --xla_force_host_platform_device_count).
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -146,3 +148,41 @@ def test_expert_exchanges_give_the_one_device_sum_bit_for_bit(data, expert, batc
     np.testing.assert_array_equal(gathered, exchanged)
     np.testing.assert_array_equal(gathered, np.asarray(one))
     assert np.abs(gathered).max() > 0
+
+
+def test_generate_and_stream_on_a_mesh_pad_the_batch_and_compile_each_chunk_once(params):
+    """``dj.generate``/``dj.stream`` on a model with a mesh: three prompts on eight
+    data-parallel devices run padded to eight rows (the padding's results are dropped) with
+    the one-device model's tokens; the cache is created on the mesh and the first chunk's
+    carry split like it, so a second chunk of the same width compiles nothing (before, the
+    first chunk's unsplit carry made the second chunk compile the program again)."""
+    from dsv4_jax.decoding import build_programs, run_prefill
+    from dsv4_jax.generation import plain_method
+    mesh = sharding.make_mesh(data=1, expert=8)
+    multi = dj.DSV4(CFG, mesh=mesh, runtime_checks=False)
+    single = dj.DSV4(CFG, runtime_checks=False)
+    prompts = [list(range(3, 300)), [7, 8, 9], list(range(40, 170))]
+    opts = dj.GenerationOptions(max_new_tokens=5, stop_tokens=(), prefill_chunk=128)
+    sp = sharding.shard(params, CFG, mesh)
+    on_mesh = dj.generate(multi, sp, prompts, options=opts)
+    one = dj.generate(single, params, prompts, options=opts)
+    assert on_mesh.tokens == one.tokens and len(on_mesh.tokens) == 3
+    assert on_mesh.stats["generated_tokens"] == 15
+    events = list(dj.stream(multi, sp, prompts, options=opts))
+    assert all(e.tokens.shape == (3,) for e in events)
+    streamed = [[int(t) for t in row if t >= 0]
+                for row in np.stack([e.tokens for e in events], axis=1)]
+    assert streamed == one.tokens
+
+    tokens = np.tile(np.arange(5, 261, dtype=np.int32), (8, 1))
+    method = plain_method(multi, dj.Greedy())
+    traces = []
+
+    def counted_prefill(*args):
+        traces.append(1)                # runs once per trace, i.e. per compiled program
+        return method.prefill(*args)
+
+    programs = build_programs(dataclasses.replace(method, prefill=counted_prefill))
+    run_prefill(programs, sp, tokens, np.full((8,), 256), dj.Cache.init(CFG, 8, 512, mesh=mesh),
+                jax.random.key(0), jnp.array([-7]), jnp.int32(4), ((0, 128), (128, 128)))
+    assert len(traces) == 1
