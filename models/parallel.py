@@ -85,7 +85,7 @@ def batch_parallel(fn, mesh, batched_args: tuple, replicated_args: tuple, n_out:
 # Tokens per device up to which the expert-parallel exchange gathers the group's tokens (two
 # small collectives a layer) instead of the capacity all-to-all (four, with sort and scatter
 # glue): decode and speculative steps; prefill chunks keep the all-to-all, whose return trip
-# moves half the rows (docs/performance.md, "Expert-parallel decode").
+# moves half the rows (docs/performance.md, 2 x H200, "Decode and long context").
 GATHER_MAX_TOKENS = 64
 
 
