@@ -22,7 +22,7 @@ device: the real prompt and copies of it as padding), timed chunk by chunk.
     python3 benchmarks/flash_multi_gpu.py --batches 1,8,64 --ctx 4096 --steps 24
     DSV4_COMMAND_BUFFERS=default python3 benchmarks/flash_multi_gpu.py --batches 8 --ctx 4096 \
         --profile
-    python3 benchmarks/flash_multi_gpu.py --long-prompt 131072 --chunk 4096 --max-len 139264
+    python3 benchmarks/flash_multi_gpu.py --long-prompt 131072 --chunk 4096
     python3 benchmarks/flash_multi_gpu.py --layers 4          # a reduced stack (say so!)
     python3 benchmarks/flash_multi_gpu.py --model pro --batch 64 --prompt 1024 --max-len 4096
     # no GPU: lower and compile on 8 simulated CPU devices with abstract parameters
@@ -91,7 +91,7 @@ def main():
                     help="with --batches: trace one loop per batch (device time, launches, "
                          "collectives); needs DSV4_COMMAND_BUFFERS=default")
     ap.add_argument("--long-prompt", type=int, default=0,
-                    help="prefill one prompt of this many tokens in --chunk chunks, then decode")
+                    help="prefill one prompt of this many tokens in --chunk chunks")
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk per row")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -201,7 +201,6 @@ def main():
         memory_after_generate=device_memory())
 
 
-
 COLLECTIVE_NAMES = ("nccl", "all-to-all", "all_to_all", "all-gather", "all_gather",
                     "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce")
 
@@ -219,7 +218,7 @@ def kernel_group(name: str) -> str:
 def decode_figures(args, cfg, mesh, params, log):
     """The generate loop per step at each of ``args.batches`` from a cache of ``args.ctx``
     tokens per row; with ``args.profile`` also the traced loop's device time by group."""
-    n_rows = axis_size(mesh, "batch")
+    n_rows, n_gpus = axis_size(mesh, "batch"), len(jax.devices())
     for batch in args.batches:
         rows = -(-batch // n_rows) * n_rows
         t = time.perf_counter()
@@ -231,27 +230,25 @@ def decode_figures(args, cfg, mesh, params, log):
                       compile_and_first_s=round(first_s, 1),
                       memory=device_memory())
         if args.profile:
-            samples = {}
-            device_us, launches, totals, counts = figures.generate_profile(run, params,
-                                                                           samples=samples)
-            steps = figures.PROFILE_STEPS - 1
+            samples, copies = {}, collections.Counter()
+            device_us, launches, totals, counts = figures.generate_profile(
+                run, params, samples=samples, copies=copies)
+            per = (figures.PROFILE_STEPS - 1) * n_gpus      # per step and GPU
             groups = collections.Counter()
             for name, us in totals.items():
-                groups[kernel_group(name)] += us / steps / len(jax.devices())
+                groups[kernel_group(name)] += us / per
             result.update(
-                device_us_per_step_per_gpu=round(device_us / len(jax.devices()), 1),
-                launches_per_step_per_gpu=round(launches / len(jax.devices()), 1),
+                device_us_per_step_per_gpu=round(device_us / n_gpus, 1),
+                launches_per_step_per_gpu=round(launches / n_gpus, 1),
                 groups_us_per_step_per_gpu={k: round(v, 1) for k, v in groups.most_common()},
                 top_kernels_us_per_step_per_gpu=[
-                    (name[:90], round(us / steps / len(jax.devices()), 1),
-                     round(counts[name] / steps / len(jax.devices()), 2))
+                    (name[:90], round(us / per, 1), round(counts[name] / per, 2))
                     for name, us in totals.most_common(16)],
                 top_kernel_trace_args={name[:90]: {k: str(v)[:160] for k, v in
                                                    samples.get(name, {}).items()}
                                        for name, _ in totals.most_common(6)},
-                copies_us_per_step_per_gpu=sorted(
-                    ((k, round(v / steps / len(jax.devices()), 1)) for k, v in samples.items()
-                     if k.startswith("copy ")), key=lambda kv: -kv[1])[:12])
+                copies_us_per_step_per_gpu=[(k, round(v / per, 1))
+                                            for k, v in copies.most_common(12)])
         log(**{f"decode_b{batch}_ctx{args.ctx}": result,
                f"decode_b{batch}_total_s": round(time.perf_counter() - t, 1)})
         del run
@@ -260,8 +257,8 @@ def decode_figures(args, cfg, mesh, params, log):
 def long_prompt(args, cfg, mesh, params, log):
     """One ``args.long_prompt``-token prompt prefilled in ``args.chunk``-token chunks (each
     device prefills one row: the prompt, and copies of it as padding rows), timed chunk by
-    chunk: the first two chunks compile (the second sees the first one's output shardings),
-    so the prefill time of warm programs is the median chunk times the chunk count."""
+    chunk: the first chunk compiles the program (and the last, if narrower), so the prefill
+    time of warm programs is the median chunk times the chunk count."""
     n_rows = axis_size(mesh, "batch")
     if args.long_prompt % args.chunk:
         raise ValueError(f"--long-prompt {args.long_prompt} is not a multiple of --chunk "
@@ -290,6 +287,7 @@ def long_prompt(args, cfg, mesh, params, log):
         median_chunk_s=round(warm, 3), warm_prefill_s=round(warm * len(chunks), 2),
         warm_tokens_per_s=round(args.chunk / warm, 1),
         last_chunk_s=round(float(took[-1]), 3), memory=device_memory()))
+
 
 if __name__ == "__main__":
     main()

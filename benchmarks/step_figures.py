@@ -107,11 +107,12 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
     return statistics.median(per_step), first_s, run
 
 
-def trace_device_ops(run_once, samples: dict | None = None):
+def trace_device_ops(run_once, samples: dict | None = None, copies=None):
     """``run_once()`` under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
     given, receives the trace arguments of each name's first event (the HLO op that launched
-    a kernel) and, under ``"copy <module>/<op> <size> B"``, the total us of each copy."""
+    a kernel); ``copies`` (a ``Counter``) the total us of each copy by
+    ``"<module>/<op> <size> B"``."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     run_once()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -133,21 +134,21 @@ def trace_device_ops(run_once, samples: dict | None = None):
                 continue
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
+            args = e.get("args", {})
             if samples is not None:
-                args = e.get("args", {})
                 samples.setdefault(e["name"], args)
-                if e["name"].startswith("Memcpy"):    # copies by the op that made them
-                    size = args.get("memcpy_details", "").rpartition("size:")[2].split(" ")[0]
-                    key = f"copy {args.get('hlo_module')}/{args.get('hlo_op')} {size} B"
-                    samples[key] = samples.get(key, 0) + e["dur"]
+            if copies is not None and e["name"].startswith("Memcpy"):
+                size = args.get("memcpy_details", "").rpartition("size:")[2].split(" ")[0]
+                copies[f"{args.get('hlo_module')}/{args.get('hlo_op')} {size} B"] += e["dur"]
     return totals, counts
 
 
-def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None):
+def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None,
+                     copies=None):
     """Device us per step, launches per step and the op table of a ``steps``-step loop
-    (``samples``: as ``trace_device_ops``)."""
+    (``samples``, ``copies``: as ``trace_device_ops``)."""
     totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)),
-                                      samples)
+                                      samples, copies)
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
 

@@ -101,10 +101,10 @@ def unpack_rows(packed: jax.Array, like: tuple) -> list:
     trailing shape and dtype (``jax.ShapeDtypeStruct`` of one row)."""
     out, start = [], 0
     for spec in like:
-        size = int(np.prod(spec.shape, dtype=np.int64)) * jnp.dtype(spec.dtype).itemsize
+        item = jnp.dtype(spec.dtype).itemsize
+        size = int(np.prod(spec.shape, dtype=np.int64)) * item
         part = packed[:, start:start + size]
         start += size
-        item = jnp.dtype(spec.dtype).itemsize
         if item > 1:
             part = part.reshape(packed.shape[0], -1, item)
         out.append(jax.lax.bitcast_convert_type(part, spec.dtype).reshape(
