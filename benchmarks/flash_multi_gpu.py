@@ -6,8 +6,9 @@ the rest replicated. Then one prefill chunk, a synced decode loop (one jitted st
 iteration) and the path users run, ``dj.generate``'s jitted while loop (time per step from a
 long and a short budget); reports per-device memory (planned by ``dsv4_jax.plan.memory_plan``
 for this mesh, then measured), compile times and tokens/s. Figures go to stdout and ``$OUT/<model>_multi_gpu.json``.
-The batch splits over every device: a smaller batch runs padded to one row per device
-(tokens/s counts the real rows only).
+The batch splits as ``dsv4_jax.mesh_rules.row_axes`` splits it (a small batch over the data
+axis only, replicated over the expert axis; ``--replicate-max-rows`` moves the bound), padded
+to a batch the mesh splits evenly (tokens/s counts the real rows only).
 
 Decode figures at several batches (``--batches``) skip the prompt: the generate loop runs on a
 cache whose rows hold ``--ctx`` tokens (lengths set, entries zero: the same cost), one
@@ -15,8 +16,9 @@ compiled loop per batch, the parameters generated once. ``--profile`` then trace
 batch: device time and kernel launches per step, and the share of the collectives (the
 expert-parallel all-to-all, the head's and embedding's gathers) -- run it with
 ``DSV4_COMMAND_BUFFERS=default``, or the profiler sees CUDA graphs, not kernels. A long
-prompt (``--long-prompt N``) is prefilled in ``--chunk``-token chunks per row (one row per
-device: the real prompt and copies of it as padding), timed chunk by chunk.
+prompt (``--long-prompt N``) is prefilled in ``--chunk``-token chunks (one row, replicated
+over the expert axis; with ``--replicate-max-rows 0`` one row per device, the real prompt
+and copies of it as padding), timed chunk by chunk.
 
     source .device/setup.sh && python3 benchmarks/flash_multi_gpu.py --batch 8
     python3 benchmarks/flash_multi_gpu.py --batches 1,8,64 --ctx 4096 --steps 24
@@ -47,7 +49,8 @@ import numpy as np
 from dsv4_jax import plan, sharding
 from dsv4_jax.decoding import build_programs, run_prefill
 from dsv4_jax.generation import plain_method
-from dsv4_jax.mesh_rules import axis_size
+from dsv4_jax import mesh_rules
+from dsv4_jax.mesh_rules import padded_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_figures as figures  # noqa: E402  (a sibling module of this script)
@@ -93,7 +96,15 @@ def main():
     ap.add_argument("--long-prompt", type=int, default=0,
                     help="prefill one prompt of this many tokens in --chunk chunks")
     ap.add_argument("--chunk", type=int, default=4096, help="prefill chunk per row")
+    ap.add_argument("--replicate-max-rows", type=lambda v: [int(x) for x in v.split(",")],
+                    default=None,
+                    help="rows per data group up to which the batch is replicated over the "
+                         "expert axis (mesh_rules.REPLICATE_MAX_ROWS; 0: always split); "
+                         "with --batches a list runs each bound in turn (the last one stays "
+                         "for --long-prompt)")
     args = ap.parse_args()
+    if args.replicate_max_rows is not None:     # before anything is traced
+        mesh_rules.REPLICATE_MAX_ROWS = args.replicate_max_rows[0]
     out_dir = os.environ.get("OUT", ".")
     report = dict(jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(args))
 
@@ -107,8 +118,7 @@ def main():
     if args.layers:
         cfg = plan.reduced_config(cfg, cfg.compress_ratios[:args.layers])
     mesh = sharding.make_mesh(data=args.data, expert=args.expert)
-    n_rows = axis_size(mesh, "batch")
-    b, p = -(-args.batch // n_rows) * n_rows, args.prompt        # rows run (padded)
+    b, p = padded_rows(mesh, args.batch), args.prompt               # rows run (padded)
     need = plan.check_fits(cfg, mesh)
     # The plan of this run (its mesh, rows and lengths), to set against the memory measured
     # below; plan.memory_table sizes other device counts with the same functions.
@@ -136,7 +146,11 @@ def main():
     log(init_s=round(time.perf_counter() - t, 1), memory_after_init=device_memory())
 
     if args.batches:
-        return decode_figures(args, cfg, mesh, params, log)
+        for bound in args.replicate_max_rows or [mesh_rules.REPLICATE_MAX_ROWS]:
+            mesh_rules.REPLICATE_MAX_ROWS = bound      # each loop below traces anew
+            decode_figures(args, cfg, mesh, params, log)
+        if not args.long_prompt:
+            return
     if args.long_prompt:
         return long_prompt(args, cfg, mesh, params, log)
 
@@ -218,9 +232,9 @@ def kernel_group(name: str) -> str:
 def decode_figures(args, cfg, mesh, params, log):
     """The generate loop per step at each of ``args.batches`` from a cache of ``args.ctx``
     tokens per row; with ``args.profile`` also the traced loop's device time by group."""
-    n_rows, n_gpus = axis_size(mesh, "batch"), len(jax.devices())
+    n_gpus = len(jax.devices())
     for batch in args.batches:
-        rows = -(-batch // n_rows) * n_rows
+        rows = padded_rows(mesh, batch)
         t = time.perf_counter()
         per_step, first_s, run = figures.time_generate(
             cfg, None, params, rows, args.ctx, args.steps, mesh=mesh)
@@ -249,17 +263,19 @@ def decode_figures(args, cfg, mesh, params, log):
                                        for name, _ in totals.most_common(6)},
                 copies_us_per_step_per_gpu=[(k, round(v / per, 1))
                                             for k, v in copies.most_common(12)])
-        log(**{f"decode_b{batch}_ctx{args.ctx}": result,
-               f"decode_b{batch}_total_s": round(time.perf_counter() - t, 1)})
+        result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS)
+        name = f"decode_b{batch}_ctx{args.ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}"
+        log(**{name: result, f"{name}_total_s": round(time.perf_counter() - t, 1)})
         del run
 
 
 def long_prompt(args, cfg, mesh, params, log):
-    """One ``args.long_prompt``-token prompt prefilled in ``args.chunk``-token chunks (each
-    device prefills one row: the prompt, and copies of it as padding rows), timed chunk by
-    chunk: the first chunk compiles the program (and the last, if narrower), so the prefill
-    time of warm programs is the median chunk times the chunk count."""
-    n_rows = axis_size(mesh, "batch")
+    """One ``args.long_prompt``-token prompt prefilled in ``args.chunk``-token chunks (the
+    rows ``padded_rows`` gives one prompt: the prompt, and copies of it as padding rows if
+    the mesh splits a batch of one), timed chunk by chunk: the first chunk compiles the
+    program (and the last, if narrower), so the prefill time of warm programs is the median
+    chunk times the chunk count."""
+    n_rows = padded_rows(mesh, 1)
     if args.long_prompt % args.chunk:
         raise ValueError(f"--long-prompt {args.long_prompt} is not a multiple of --chunk "
                          f"{args.chunk}")

@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dsv4_jax as dj  # noqa: E402  (first: XLA flags)
 from dsv4_jax import plan, sharding  # noqa: E402
-from dsv4_jax.mesh_rules import axis_size  # noqa: E402
+from dsv4_jax.mesh_rules import padded_rows  # noqa: E402
 
 GIB = 2 ** 30
 MAX_LEN = 32768
@@ -41,9 +41,8 @@ def table(header, rows) -> str:
 
 
 def padded(batch: int, mesh) -> int:
-    """The batch splits over every device: fewer rows run padded to one row per device."""
-    n = axis_size(mesh, "batch")
-    return -(-batch // n) * n
+    """The batch the mesh runs for ``batch`` rows (``mesh_rules.padded_rows``)."""
+    return padded_rows(mesh, batch)
 
 
 def main():

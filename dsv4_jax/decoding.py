@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .generation_options import GenerationOptions
-from .mesh_rules import axis_size
+from .mesh_rules import padded_rows
 from .tokenizer import ByteTokenizer
 
 __all__ = ["GenerationResult", "StreamEvent", "Method", "Programs", "Prepared", "bucket",
@@ -172,12 +172,13 @@ def prepare_prompts(model, prompts, options: GenerationOptions, *, tokenizer=Non
         if bad:
             raise ValueError(f"prompt {i}: token id {bad[0]} outside [0, {cfg.vocab_size})")
         ids.append(p)
-    # A model on a mesh splits the batch over its data-parallel devices: pad with copies of
-    # the last prompt (their results are dropped) to a multiple of that count.
+    # A model on a mesh splits the batch over its data-parallel devices (a small batch over
+    # the ``data`` axis only, mesh_rules.row_axes): pad with copies of the last prompt (their
+    # results are dropped) to a batch the mesh splits evenly.
     real_rows = len(ids)
     mesh = getattr(model, "mesh", None)
     if mesh is not None:
-        ids = ids + [ids[-1]] * (-len(ids) % axis_size(mesh, "batch"))
+        ids = ids + [ids[-1]] * (padded_rows(mesh, len(ids)) - len(ids))
     stop_tokens = (cfg.eos_token_id,) if options.stop_tokens is None else options.stop_tokens
     bad = [t for t in stop_tokens if not 0 <= t < cfg.vocab_size]
     if bad:

@@ -32,7 +32,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from .cache import Cache
 from .config import CSA_RATIO, Config
-from .mesh_rules import DATA, EXPERT, axis_size, batch_axes, cache_shardings, check_batch
+from .mesh_rules import (DATA, EXPERT, axis_size, cache_shardings, check_batch, padded_rows,
+                         row_axes, row_split)
 from .models.transformer import DSV4
 from .params import abstract_params, leaf_keys
 from .sharding import param_shardings
@@ -138,9 +139,14 @@ def _moe_exchange(cfg: Config, mesh: Mesh, batch: int, seq: int) -> dict:
     """Shapes of ``expert_parallel``'s exchange on one device (models/parallel.py)."""
     check_batch(batch, mesh)
     n = mesh.shape[EXPERT] if EXPERT in mesh.axis_names else 1
-    tokens = batch * seq // axis_size(mesh, "batch")          # t: local tokens
+    tokens = batch * seq // row_split(mesh, batch)            # t: local tokens
     assignments = tokens * cfg.n_activated_experts            # a = t k
-    return dict(n=n, tokens=tokens, assignments=assignments, slots=n * assignments,
+    # Rows replicated over ``expert``: every device computes (zero rows but its own) and
+    # all-reduces the group's a rows; split rows: n a capacity slots (an upper bound of the
+    # gathering exchange's n a rows too).
+    replicated = n > 1 and EXPERT not in row_axes(mesh, batch)
+    return dict(n=n, tokens=tokens, assignments=assignments,
+                slots=assignments if replicated else n * assignments,
                 local_experts=cfg.n_routed_experts // n)
 
 
@@ -154,15 +160,21 @@ def all_to_all_sizes(cfg: Config, mesh: Mesh, batch: int, seq: int = 1) -> dict:
     to land on one device, so nothing is dropped. Dispatch sends three arrays (rows in the
     activation dtype, expert id int32, routing weight f32), combine sends the rows back in
     the activation dtype. Of each ``[n, a, ...]`` buffer, ``(n - 1) / n`` leaves the device;
-    ``a`` of the ``n a`` slots are real (the rest keep expert id -1).
+    ``a`` of the ``n a`` slots are real (the rest keep expert id -1). A batch replicated
+    over ``expert`` (``mesh_rules.row_axes``) dispatches nothing: its ``a`` rows are
+    all-reduced (a ring sends 2 (n - 1) / n of the buffer).
     """
     x = _moe_exchange(cfg, mesh, batch, seq)
     n, a = x["n"], x["assignments"]
     row = cfg.dim * jnp.dtype(cfg.dtype).itemsize
-    dispatch = n * a * (row + 4 + 4)                 # x rows + int32 id + f32 weight
-    combine = n * a * row
     leaving = (n - 1) / n if n > 1 else 0.0
-    per_layer_sent = int((dispatch + combine) * leaving)
+    if n > 1 and x["slots"] == a:                    # replicated rows: one all-reduce
+        dispatch, combine = 0, a * row
+        per_layer_sent = int(2 * combine * leaving)
+    else:
+        dispatch = n * a * (row + 4 + 4)             # x rows + int32 id + f32 weight
+        combine = n * a * row
+        per_layer_sent = int((dispatch + combine) * leaving)
     return dict(x, dispatch_buffer_bytes=dispatch, combine_buffer_bytes=combine,
                 sent_bytes_per_layer=per_layer_sent,
                 useful_bytes_per_layer=int(a * (2 * row + 8) * leaving),
@@ -208,7 +220,7 @@ def step_activation_estimate(cfg: Config, mesh: Mesh, batch: int, seq: int, max_
     act = jnp.dtype(cfg.dtype).itemsize
     x = _moe_exchange(cfg, mesh, batch, seq)
     t, n, slots = x["tokens"], x["n"], x["slots"]
-    b = batch // axis_size(mesh, "batch")
+    b = batch // row_split(mesh, batch)
     d, c, h = cfg.dim, cfg.head_dim, cfg.n_heads
     kinds = {cfg.layer_kind(i) for i in range(cfg.n_layers)}
     entries = cfg.window_size + max(
@@ -223,7 +235,7 @@ def step_activation_estimate(cfg: Config, mesh: Mesh, batch: int, seq: int, max_
         compute = min(slots, x["local_experts"]) * expert_matrix
     logit_rows = b if logits_at == "last" else t
     n_vocab = axis_size(mesh, "vocab")
-    all_rows = logit_rows * axis_size(mesh, "batch")
+    all_rows = logit_rows * row_split(mesh, batch)
     parts = dict(
         streams=3 * t * cfg.hc_mult * d * act,
         attention=2 * t * h * c * act + t * entries * c * act + indexer,
@@ -271,8 +283,9 @@ def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
       compressed entries as FP8 rows (``Cache.init``);
     * ``activations_gib``: ``step_activation_estimate`` total, XLA MoE path, of a prefill
       chunk of ``batch`` rows x ``prefill_chunk`` tokens with a cache of ``max_len`` tokens
-      (default: the chunk). The batch splits over every device, so a smaller one runs padded
-      to one row per device, as the benchmarks run it.
+      (default: the chunk). The batch splits as ``mesh_rules.row_axes`` splits it (a small
+      one replicated on every device), padded as ``mesh_rules.padded_rows`` pads it, as
+      ``dj.generate`` and the benchmarks run it.
     """
     abstract = abstract if abstract is not None else abstract_params(cfg)
     max_len = max_len if max_len is not None else prefill_chunk
@@ -283,7 +296,7 @@ def memory_table(cfg: Config, n_devices=(1, 2, 4, 8), *, batch: int = 8,
     rows = []
     for n in n_devices:
         mesh = _sizes_mesh(1, n)
-        rows_run = -(-batch // n) * n
+        rows_run = padded_rows(mesh, batch)
         act = step_activation_estimate(cfg, mesh, rows_run, prefill_chunk, max_len, moe="xla",
                                        abstract=abstract)["total"]
         rows.append(dict(
@@ -317,7 +330,8 @@ def abstract_step(cfg: Config, mesh: Mesh, batch: int, seq: int, max_len: int,
     cache = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          cache, cache_shardings(cache, mesh))
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32,
-                                  sharding=NamedSharding(mesh, P(batch_axes(mesh), None)))
+                                  sharding=NamedSharding(mesh, P(row_axes(mesh, batch) or None,
+                                                                 None)))
     model = DSV4(cfg, implementation=implementation, runtime_checks=False, mesh=mesh)
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
                    donate_argnames=("c",))

@@ -50,18 +50,22 @@ def expert_rows(xa: jax.Array, ea: jax.Array, wa: jax.Array, params: dict,
 
 
 def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, params: dict,
-                   cfg: Config, mesh=None, policy=DEFAULT_POLICY) -> jax.Array:
+                   cfg: Config, mesh=None, policy=DEFAULT_POLICY, rows: int | None = None
+                   ) -> jax.Array:
     """Sum over each token's experts of ``w2(weight * swiglu(w1 x, w3 x))``: f32 ``[T, d]``.
 
     ``params`` maps ``w1``/``w2``/``w3`` to ``(weight, scale or None)`` stacked over experts.
     With a ``mesh`` the experts are split over its ``expert`` axis (expert parallelism) and
-    each device runs ``moe_expert_rows`` on the rows it received. ``policy``: a
-    ``KernelPolicy`` (or ``"cute"``, ``"xla"``, None) choosing the ops' implementations.
+    each device runs ``moe_expert_rows`` on the rows it received; ``rows``: the batch's rows
+    (the T tokens are rows x sequence; default T), which set how they are split
+    (``mesh_rules.row_axes``). ``policy``: a ``KernelPolicy`` (or ``"cute"``, ``"xla"``,
+    None) choosing the ops' implementations.
     """
     policy = KernelPolicy.coerce(policy)
     if mesh is not None:
         return expert_parallel(x, route_w, route_idx, params, cfg.n_routed_experts, mesh,
-                               lambda r, e, w, p: expert_rows(r, e, w, p, cfg, policy))
+                               lambda r, e, w, p: expert_rows(r, e, w, p, cfg, policy),
+                               x.shape[0] if rows is None else rows)
     return moe_experts(x, route_idx, route_w, params["w1"], params["w3"], params["w2"],
                        **moe_op_kwargs(cfg), implementation=policy.implementation_for(
                            "moe_experts"), policy=policy.grouped_gemm)
@@ -155,13 +159,15 @@ class Gate(nn.Module):
         else:
             bias = self.param("bias", normal_init(0.1), (cfg.n_routed_experts,), jnp.float32)
 
-        def route(xs, ids, weight, b, tab):
-            return moe_router(xs, weight, b, tab, ids, k=k, score_func=cfg.score_func,
-                              route_scale=cfg.route_scale,
+        def route(xs, ids, weight, b, tab):        # rows [b, s, d] -> per token [b s, k]
+            return moe_router(xs.reshape(-1, xs.shape[-1]), weight, b, tab,
+                              None if ids is None else ids.reshape(-1), k=k,
+                              score_func=cfg.score_func, route_scale=cfg.route_scale,
                               implementation=self.policy.implementation_for("moe_router"))
         ids = token_ids if self.hashed else None
         if self.mesh is None:
             return route(x, ids, w, bias, table)
+        # The rows (dim 0 of x [B, S, d]) set how the batch is split (mesh_rules.row_axes).
         return batch_parallel(route, self.mesh, (x, ids), (w, bias, table), 2)
 
 
@@ -173,14 +179,16 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
-        """x [B,S,d] (normed), token_ids [B,S] (hash routing) -> [B,S,d] in x's dtype."""
+        """x [B,S,d] (normed), token_ids [B,S] (hash routing) -> [B,S,d] in x's dtype.
+        On a mesh the [B, S] arrays go to the collective sections as they are: their rows
+        set how the batch is split (``mesh_rules.row_axes``)."""
         cfg = self.cfg
         b, s, d = x.shape
-        xf = x.reshape(b * s, d)
         gate = Gate(cfg, self.layer_id < cfg.n_hash_layers, self.policy, self.mesh, name="gate")
-        weights, idx = gate(xf, token_ids.reshape(-1))
+        weights, idx = gate(x, token_ids)
         params = Experts(cfg, name="experts")()
-        y = routed_experts(xf, weights, idx, params, cfg, self.mesh, self.policy)
-        y = y + Expert(cfg, self.policy, self.mesh, name="shared_experts")(xf).astype(
-            jnp.float32)
+        y = routed_experts(x.reshape(b * s, d), weights, idx, params, cfg, self.mesh,
+                           self.policy, rows=b)
+        shared = Expert(cfg, self.policy, self.mesh, name="shared_experts")(x)
+        y = y + shared.reshape(b * s, d).astype(jnp.float32)
         return y.astype(x.dtype).reshape(b, s, d)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import dsv4_jax as dj
-from dsv4_jax import plan, sharding
+from dsv4_jax import mesh_rules, plan, sharding
 
 PRO = dj.Config.pro(quantized=True)
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
@@ -67,7 +67,9 @@ def test_other_meshes_replicate_experts_over_data(abstract):
     assert p24 - p18 == BLOCKS * EXPERT_BYTES * (E // 4 - E // 8)
 
 
-def test_cache_of_batch_8_at_32k_is_one_row_per_device(mesh18):
+def test_cache_of_batch_8_at_32k_is_one_row_per_device(mesh18, monkeypatch):
+    """Split rows: one row per device; a batch replicated over ``expert``
+    (``mesh_rules.row_axes``): every row on every device."""
     max_len, w, c = 32768, 128, 512
     window = w * c * 2
     hca = window + 2 * 128 * 512 * 4 + max_len // 128 * c * 2
@@ -76,13 +78,22 @@ def test_cache_of_batch_8_at_32k_is_one_row_per_device(mesh18):
     n_csa = PRO.compress_ratios[:61].count(4)
     row = n_csa * csa + (61 - n_csa) * hca + window + 2 * 4          # + MTP window, lengths
     assert n_csa == 30
+    assert plan.cache_bytes_per_device(PRO, mesh18, 1, max_len) == row
+    assert plan.cache_bytes_per_device(PRO, mesh18, 8, max_len) == (
+        8 * row if mesh_rules.REPLICATE_MAX_ROWS >= 8 else row)
+    monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", 0)
     assert plan.cache_bytes_per_device(PRO, mesh18, 8, max_len) == row
     assert plan.cache_bytes_per_device(PRO, mesh18, 64, max_len) == 8 * row
-    with pytest.raises(ValueError, match="batch 1 is not divisible by the data-parallel size 8"):
+    with pytest.raises(ValueError, match="batch 1 is not divisible by the 8 devices"):
         plan.cache_bytes_per_device(PRO, mesh18, 1, max_len)
 
 
-def test_all_to_all_sizes_follow_the_capacity_rule(mesh18):
+def test_all_to_all_sizes_follow_the_capacity_rule(mesh18, monkeypatch):
+    replicated = plan.all_to_all_sizes(PRO, mesh18, 1, 1)    # one all-reduce of k rows
+    assert (replicated["tokens"], replicated["slots"], replicated["dispatch_buffer_bytes"],
+            replicated["combine_buffer_bytes"]) == (1, K, 0, K * D * 2)
+    assert replicated["sent_bytes_per_layer"] == int(2 * K * D * 2 * 7 / 8)
+    monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", 0)       # every batch split
     for batch, seq in ((8, 1), (64, 1), (8, 1024)):
         a = plan.all_to_all_sizes(PRO, mesh18, batch, seq)
         t = batch * seq // 8
@@ -159,9 +170,11 @@ def test_memory_table_for_flash_and_pro(abstract):
     assert rows[0]["cache_gib_per_1k_tokens_per_seq"] * 2**30 == per_1k
 
 
-def test_memory_table_activations_are_the_step_formula():
-    """Flash on 8 devices, 8 x 4096-token prefill chunk, cache of 4096: the XLA-path terms of
-    ``step_activation_estimate`` by hand (one row and 4096 tokens per device)."""
+def test_memory_table_activations_are_the_step_formula(monkeypatch):
+    """Flash on 8 devices, 8 x 4096-token prefill chunk split over the devices, cache of
+    4096: the XLA-path terms of ``step_activation_estimate`` by hand (one row and 4096
+    tokens per device)."""
+    monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", 0)
     flash = dj.Config.flash(quantized=True)
     d, h, c, inter, v = 4096, 64, 512, 2048, 129280
     t, slots = 4096, 8 * 4096 * 6

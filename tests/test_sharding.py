@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import dsv4_jax as dj
-from dsv4_jax import sharding
+from dsv4_jax import mesh_rules, sharding
 
 CFG = dj.Config.tiny(dtype="float32", quant_simulation=False)
 
@@ -29,8 +29,14 @@ def max_abs(a, b):
         return float(np.max(np.where(a == b, 0.0, np.abs(a - b))))
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "replicated"])
 @pytest.mark.parametrize("data,expert", [(2, 4), (1, 8)])
-def test_sharded_prefill_and_decode_equal_single_device(params, data, expert):
+def test_sharded_prefill_and_decode_equal_single_device(params, data, expert, split,
+                                                        monkeypatch):
+    """Rows split over every device, or (a small batch) over ``data`` only and replicated
+    over ``expert`` (``mesh_rules.row_axes``): the logits and cache of one device."""
+    if split:
+        monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", 0)
     mesh = sharding.make_mesh(data=data, expert=expert)
     batch = 8
     toks = jax.random.randint(jax.random.key(1), (batch, 40), 0, CFG.vocab_size)
@@ -51,9 +57,10 @@ def test_sharded_prefill_and_decode_equal_single_device(params, data, expert):
         assert max_abs(l1, l8) < 1e-4
     for a, b in zip(jax.tree.leaves(c1), jax.tree.leaves(c8)):
         assert max_abs(a, b) < 1e-4
-    # the new cache stays distributed over the batch
+    # the new cache stays distributed over the batch as the rule splits it
     window = c8.layers[0].window
-    assert {s.data.shape[0] for s in window.addressable_shards} == {batch // 8}
+    assert {s.data.shape[0] for s in window.addressable_shards} == {
+        batch // 8 if split else batch // data}
 
 
 def test_parameters_and_cache_are_really_distributed(params):
@@ -68,10 +75,14 @@ def test_parameters_and_cache_are_really_distributed(params):
         assert {s.data.shape for s in w.addressable_shards} == {(CFG.vocab_size // 8, CFG.dim)}
     wq = sp["layers_0"]["attn"]["wq_b"]["weight"]
     assert wq.sharding.is_fully_replicated                                 # attention: DP only
-    cache = dj.Cache.init(CFG, 16, 256, mesh=mesh)
+    cache = dj.Cache.init(CFG, 32, 256, mesh=mesh)          # 16 rows a data group: split
     comp = cache.layers[1].compressed
-    assert {s.data.shape for s in comp.addressable_shards} == {(2, 64, 512)}
-    assert {s.data.shape for s in cache.lengths.addressable_shards} == {(2,)}
+    assert {s.data.shape for s in comp.addressable_shards} == {(4, 64, 512)}
+    assert {s.data.shape for s in cache.lengths.addressable_shards} == {(4,)}
+    small = dj.Cache.init(CFG, 16, 256, mesh=mesh)          # 8: replicated over expert
+    assert {s.data.shape for s in small.layers[1].compressed.addressable_shards} == {
+        (8, 64, 512)}
+    assert len({s.index[0].start for s in small.lengths.addressable_shards}) == 2
     # parameters can be generated directly on the mesh too
     shardings = sharding.param_shardings(CFG, mesh)
     direct = dj.init_params(CFG, 0, shardings=shardings)
@@ -85,12 +96,15 @@ def test_bad_meshes_and_batches_raise():
     mesh = sharding.make_mesh(data=2, expert=4)
     with pytest.raises(ValueError, match=r"expert axis \(4\) does not divide n_routed_experts \(6\)"):
         sharding.param_shardings(CFG.replace(n_routed_experts=6), mesh)
-    with pytest.raises(ValueError, match="batch 6 is not divisible by the data-parallel size 8"):
-        dj.Cache.init(CFG, 6, 64, mesh=mesh)
+    with pytest.raises(ValueError, match=r"batch 20 is not divisible by the 8 devices it is "
+                                         r"split over .*padded_rows gives 24"):
+        dj.Cache.init(CFG, 20, 64, mesh=mesh)
+    with pytest.raises(ValueError, match="batch 5 is not divisible by the 2 devices"):
+        dj.Cache.init(CFG, 5, 64, mesh=mesh)
     model = dj.DSV4(CFG, mesh=mesh)
-    cache = dj.Cache.init(CFG, 6, 64)
-    with pytest.raises(ValueError, match="batch 6 is not divisible"):
-        model.apply({"params": dj.abstract_params(CFG)}, jnp.zeros((6, 1), jnp.int32), cache)
+    cache = dj.Cache.init(CFG, 5, 64)
+    with pytest.raises(ValueError, match="batch 5 is not divisible"):
+        model.apply({"params": dj.abstract_params(CFG)}, jnp.zeros((5, 1), jnp.int32), cache)
     with pytest.raises(ValueError, match="devices"):
         sharding.make_mesh(data=3, expert=4)
 
@@ -115,10 +129,11 @@ def test_load_official_format_checkpoint_onto_a_mesh(tmp_path):
 
 
 @pytest.mark.parametrize("data,expert,batch", [(1, 8, 8), (2, 4, 8), (1, 8, 32)])
-def test_expert_exchanges_give_the_one_device_sum_bit_for_bit(data, expert, batch):
-    """The gathering exchange (decode sizes) and the capacity all-to-all (prefill sizes) hand
-    every token the one-device sum of its routed rows, bit for bit: BF16 rows, quantised FP4
-    experts under the FP8 simulation, skewed routings (one device owns most assignments)."""
+def test_expert_exchanges_give_the_one_device_sum_bit_for_bit(data, expert, batch, monkeypatch):
+    """The all-reduce of rows replicated over ``expert`` (small batches), the gathering
+    exchange (decode sizes) and the capacity all-to-all (prefill sizes) hand every token the
+    one-device sum of its routed rows, bit for bit: BF16 rows, quantised FP4 experts under
+    the FP8 simulation, skewed routings (one device owns most assignments)."""
     from dsv4_jax.models.moe import expert_rows, routed_experts
     from dsv4_jax.models.parallel import expert_parallel
     cfg = dj.Config.tiny(quantized=True)
@@ -138,32 +153,42 @@ def test_expert_exchanges_give_the_one_device_sum_bit_for_bit(data, expert, batc
                              pair, is_leaf=lambda v: v is None)
              for n, pair in experts.items()}
 
-    def run(gather_max_tokens):
+    def run(gather_max_tokens, replicate_max_rows):
+        monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", replicate_max_rows)
         fn = jax.jit(lambda x, w, i, p: expert_parallel(
             x, w, i, p, e, mesh, lambda r, ea, wa, lp: expert_rows(r, ea, wa, lp, cfg),
-            gather_max_tokens=gather_max_tokens))
+            batch, gather_max_tokens=gather_max_tokens))
         return np.asarray(fn(x, w, ids, local))
 
-    gathered, exchanged = run(batch), run(0)
+    replicated, gathered, exchanged = run(0, batch), run(batch, 0), run(0, 0)
     np.testing.assert_array_equal(gathered, exchanged)
+    np.testing.assert_array_equal(replicated, exchanged)
     np.testing.assert_array_equal(gathered, np.asarray(one))
     assert np.abs(gathered).max() > 0
 
 
-def test_generate_and_stream_on_a_mesh_pad_the_batch_and_compile_each_chunk_once(params):
-    """``dj.generate``/``dj.stream`` on a model with a mesh: three prompts on eight
-    data-parallel devices run padded to eight rows (the padding's results are dropped) with
-    the one-device model's tokens; the cache is created on the mesh and the first chunk's
-    carry split like it, so a second chunk of the same width compiles nothing (before, the
-    first chunk's unsplit carry made the second chunk compile the program again)."""
-    from dsv4_jax.decoding import build_programs, run_prefill
+@pytest.mark.parametrize("data,expert,replicate_max_rows,rows", [
+    (1, 8, 0, 8), (2, 4, 8, 4), (1, 8, 8, 3)])
+def test_generate_and_stream_on_a_mesh_pad_the_batch_and_compile_each_chunk_once(
+        params, data, expert, replicate_max_rows, rows, monkeypatch):
+    """``dj.generate``/``dj.stream`` on a model with a mesh: three prompts run padded to the
+    ``rows`` the mesh splits evenly -- all eight devices' rows, a multiple of the ``data``
+    size with the rows replicated over ``expert``, or none on one data group -- (the
+    padding's results are dropped) with the one-device model's tokens; the cache is created
+    on the mesh and the first chunk's carry split like it, so a second chunk of the same
+    width compiles nothing (before, the first chunk's unsplit carry made the second chunk
+    compile the program again)."""
+    from dsv4_jax.decoding import build_programs, prepare_prompts, run_prefill
     from dsv4_jax.generation import plain_method
-    mesh = sharding.make_mesh(data=1, expert=8)
+    monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", replicate_max_rows)
+    mesh = sharding.make_mesh(data=data, expert=expert)
     multi = dj.DSV4(CFG, mesh=mesh, runtime_checks=False)
     single = dj.DSV4(CFG, runtime_checks=False)
     prompts = [list(range(3, 300)), [7, 8, 9], list(range(40, 170))]
     opts = dj.GenerationOptions(max_new_tokens=5, stop_tokens=(), prefill_chunk=128)
     sp = sharding.shard(params, CFG, mesh)
+    prepared = prepare_prompts(multi, prompts, opts)
+    assert prepared.tokens.shape[0] == rows and prepared.rows == 3
     on_mesh = dj.generate(multi, sp, prompts, options=opts)
     one = dj.generate(single, params, prompts, options=opts)
     assert on_mesh.tokens == one.tokens and len(on_mesh.tokens) == 3
