@@ -22,6 +22,7 @@ from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_linear, normal_init,
                      rope_tail)
+from .parallel import batch_parallel
 
 
 def _place_rows(buf: jax.Array, rows: jax.Array, offset: jax.Array) -> jax.Array:
@@ -187,6 +188,14 @@ class Indexer(nn.Module):
         # The scores [B,S,H,N] are never materialised: the op merges blocks of entries into a
         # running top-k with the reference's rounding points (ffi/indexer.py).
         visible = (positions + 1) // m                                          # [B,S]
-        top = index_topk(q, weights, table, visible, cfg.index_topk,
-                         implementation=self.policy.implementation_for("index_topk"))
+
+        def select(q, weights, table, visible):
+            return index_topk(q, weights, table, visible, cfg.index_topk,
+                              implementation=self.policy.implementation_for("index_topk"))
+        if self.mesh is None:
+            return select(q, weights, table, visible), chunk
+        # Each device selects for its own rows (as the attention attends them): outside a
+        # shard_map the partitioner would gather every row's keys to every device.
+        top, = batch_parallel(lambda *a: (select(*a),), self.mesh, (q, weights, table, visible),
+                              (), 1)
         return top, chunk

@@ -24,7 +24,9 @@ takes the batch's row count from dim 0 of its row arguments (``expert_parallel``
   one all-gather, the rows back by one reduce-scatter. Many tokens (prefill on split rows):
   tokens go to the devices owning their experts (all-to-all over ``expert`` with a
   worst-case capacity, so nothing is ever dropped) and come back the same way.
-* ``batch_parallel``: runs a per-row function (the sparse attention op) on local rows only.
+* ``batch_parallel``: runs a per-row function (the sparse attention op, the indexer's
+  selection, the kernels' GEMMs) on local rows only -- a custom call outside a shard_map
+  would have its operands gathered to every device by the partitioner.
 """
 from __future__ import annotations
 

@@ -63,6 +63,32 @@ def test_sharded_prefill_and_decode_equal_single_device(params, data, expert, sp
         batch // 8 if split else batch // data}
 
 
+@pytest.mark.parametrize("replicate_max_rows,local_rows", [(0, 1), (8, 8)])
+def test_the_indexer_selects_each_devices_own_rows(params, replicate_max_rows, local_rows,
+                                                   monkeypatch):
+    """On a mesh the indexer's selection runs inside a shard_map on each device's rows (one
+    of 8 split rows, or all 8 replicated ones), as the attention does: outside it, the
+    partitioner gathered every row's index keys to every device around the kernel's custom
+    call, every CSA layer and step (the op's XLA path partitions by itself, so CPU numbers
+    cannot show it; the traced operand shapes do)."""
+    from dsv4_jax.models import compressor
+    monkeypatch.setattr(mesh_rules, "REPLICATE_MAX_ROWS", replicate_max_rows)
+    seen = []
+
+    def recording(q, weights, table, visible, *args, **kwargs):
+        seen.append((q.shape[0], table.shape[0]))
+        return index_topk(q, weights, table, visible, *args, **kwargs)
+
+    index_topk = compressor.index_topk
+    monkeypatch.setattr(compressor, "index_topk", recording)
+    mesh = sharding.make_mesh(data=1, expert=8)
+    model = dj.DSV4(CFG, mesh=mesh, runtime_checks=False)
+    cache = dj.Cache.init(CFG, 8, 256, mesh=mesh)
+    jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last")).trace(
+        sharding.shard(params, CFG, mesh), jnp.zeros((8, 1), jnp.int32), cache)
+    assert seen and set(seen) == {(local_rows, local_rows)}
+
+
 def test_parameters_and_cache_are_really_distributed(params):
     mesh = sharding.make_mesh(data=2, expert=4)
     sp = sharding.shard(params, CFG, mesh)
