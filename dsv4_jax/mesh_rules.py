@@ -30,7 +30,7 @@ __all__ = ["DATA", "EXPERT", "RULES", "REPLICATE_MAX_ROWS", "mesh_axes", "axis_s
 DATA, EXPERT = "data", "expert"
 
 # Rows per ``data`` group up to which a batch is replicated over ``expert`` rather than split
-# (module docstring; docs/performance.md, "Decode and long context on the path users run").
+# (module docstring; docs/performance.md, "Small batches replicated over the expert axis").
 REPLICATE_MAX_ROWS = 8
 
 # logical axis -> mesh axes
