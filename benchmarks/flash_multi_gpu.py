@@ -46,10 +46,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv4_jax import plan, sharding
+from dsv4_jax import mesh_rules, plan, sharding
 from dsv4_jax.decoding import build_programs, run_prefill
 from dsv4_jax.generation import plain_method
-from dsv4_jax import mesh_rules
 from dsv4_jax.mesh_rules import padded_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

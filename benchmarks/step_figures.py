@@ -58,7 +58,7 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
     ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text.
     ``speculative``: MTP drafting (``speculative_method``; its state comes from a one-token
     prefill on the filled cache). ``mesh``: the model and cache on a device mesh (``batch``
-    a multiple of its data-parallel size)."""
+    one the mesh splits evenly, ``mesh_rules.padded_rows``)."""
     model = dj.DSV4(cfg, implementation=policy, mesh=mesh, runtime_checks=False)
     method = (speculative_method if speculative else plain_method)(model, dj.Greedy())
     programs = build_programs(method)

@@ -49,16 +49,16 @@ def _spec(mesh, ndim: int, first=None) -> P:
     return P(first or None, *([None] * (ndim - 1)))
 
 
-def _vocab_split(mesh, rows: int):
+def _vocab_split(mesh, row_split_axes: tuple):
     """The vocabulary's axes, and those of them the rows are not split over."""
     vocab = mesh_axes(mesh, "vocab") or ()
-    return vocab, tuple(a for a in vocab if a not in row_axes(mesh, rows))
+    return vocab, tuple(a for a in vocab if a not in row_split_axes)
 
 
 def embed(table: jax.Array, ids: jax.Array, mesh) -> jax.Array:
     """``table[ids]`` with the table split over the vocabulary and ids over the batch."""
     axes = row_axes(mesh, ids.shape[0])
-    vocab, replicated = _vocab_split(mesh, ids.shape[0])
+    vocab, replicated = _vocab_split(mesh, axes)
 
     def local(tab, ids_l):
         all_ids = jax.lax.all_gather(ids_l, axes, axis=0, tiled=True) if axes else ids_l
@@ -78,7 +78,7 @@ def embed(table: jax.Array, ids: jax.Array, mesh) -> jax.Array:
 def head_logits(x: jax.Array, weight: jax.Array, mesh, matmul) -> jax.Array:
     """``matmul(x, weight)`` (f32 logits) with the head split over the vocabulary."""
     axes = row_axes(mesh, x.shape[0])
-    vocab, replicated = _vocab_split(mesh, x.shape[0])
+    vocab, replicated = _vocab_split(mesh, axes)
 
     def local(w, xl):
         xs = jax.lax.all_gather(xl, axes, axis=0, tiled=True) if axes else xl
