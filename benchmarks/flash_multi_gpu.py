@@ -88,7 +88,8 @@ def main():
     ap.add_argument("--batches", type=lambda v: [int(x) for x in v.split(",")], default=None,
                     help="decode figures at these batches from a cache of --ctx tokens per row "
                          "(no prompt)")
-    ap.add_argument("--ctx", type=int, default=4096, help="tokens per row for --batches")
+    ap.add_argument("--ctx", type=lambda v: [int(x) for x in v.split(",")], default=[4096],
+                    help="tokens per row for --batches (a list: each context in turn)")
     ap.add_argument("--profile", action="store_true",
                     help="with --batches: trace one loop per batch (device time, launches, "
                          "collectives); needs DSV4_COMMAND_BUFFERS=default")
@@ -229,43 +230,50 @@ def kernel_group(name: str) -> str:
 
 
 def decode_figures(args, cfg, mesh, params, log):
-    """The generate loop per step at each of ``args.batches`` from a cache of ``args.ctx``
-    tokens per row; with ``args.profile`` also the traced loop's device time by group."""
+    """The generate loop per step at each of ``args.batches`` from a cache of each of
+    ``args.ctx`` tokens per row; with ``args.profile`` also the traced loop's device time by
+    group."""
+    for ctx in args.ctx:
+        for batch in args.batches:
+            decode_figure(args, cfg, mesh, params, log, batch, ctx)
+
+
+def decode_figure(args, cfg, mesh, params, log, batch, ctx):
+    """One batch and context of ``decode_figures``."""
     n_gpus = len(jax.devices())
-    for batch in args.batches:
-        rows = padded_rows(mesh, batch)
-        t = time.perf_counter()
-        per_step, first_s, run = figures.time_generate(
-            cfg, None, params, rows, args.ctx, args.steps, mesh=mesh)
-        result = dict(batch=batch, rows_run=rows, ctx=args.ctx,
-                      generate_step_ms=round(per_step * 1e3, 3),
-                      tokens_per_s=round(batch / per_step, 1),
-                      compile_and_first_s=round(first_s, 1),
-                      memory=device_memory())
-        if args.profile:
-            samples, copies = {}, collections.Counter()
-            device_us, launches, totals, counts = figures.generate_profile(
-                run, params, samples=samples, copies=copies)
-            per = (figures.PROFILE_STEPS - 1) * n_gpus      # per step and GPU
-            groups = collections.Counter()
-            for name, us in totals.items():
-                groups[kernel_group(name)] += us / per
-            result.update(
-                device_us_per_step_per_gpu=round(device_us / n_gpus, 1),
-                launches_per_step_per_gpu=round(launches / n_gpus, 1),
-                groups_us_per_step_per_gpu={k: round(v, 1) for k, v in groups.most_common()},
-                top_kernels_us_per_step_per_gpu=[
-                    (name[:90], round(us / per, 1), round(counts[name] / per, 2))
-                    for name, us in totals.most_common(16)],
-                top_kernel_trace_args={name[:90]: {k: str(v)[:160] for k, v in
-                                                   samples.get(name, {}).items()}
-                                       for name, _ in totals.most_common(6)},
-                copies_us_per_step_per_gpu=[(k, round(v / per, 1))
-                                            for k, v in copies.most_common(12)])
-        result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS)
-        name = f"decode_b{batch}_ctx{args.ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}"
-        log(**{name: result, f"{name}_total_s": round(time.perf_counter() - t, 1)})
-        del run
+    rows = padded_rows(mesh, batch)
+    t = time.perf_counter()
+    per_step, first_s, run = figures.time_generate(
+        cfg, None, params, rows, ctx, args.steps, mesh=mesh)
+    result = dict(batch=batch, rows_run=rows, ctx=ctx,
+                  generate_step_ms=round(per_step * 1e3, 3),
+                  tokens_per_s=round(batch / per_step, 1),
+                  compile_and_first_s=round(first_s, 1),
+                  memory=device_memory())
+    if args.profile:
+        samples, copies = {}, collections.Counter()
+        device_us, launches, totals, counts = figures.generate_profile(
+            run, params, samples=samples, copies=copies)
+        per = (figures.PROFILE_STEPS - 1) * n_gpus      # per step and GPU
+        groups = collections.Counter()
+        for name, us in totals.items():
+            groups[kernel_group(name)] += us / per
+        result.update(
+            device_us_per_step_per_gpu=round(device_us / n_gpus, 1),
+            launches_per_step_per_gpu=round(launches / n_gpus, 1),
+            groups_us_per_step_per_gpu={k: round(v, 1) for k, v in groups.most_common()},
+            top_kernels_us_per_step_per_gpu=[
+                (name[:90], round(us / per, 1), round(counts[name] / per, 2))
+                for name, us in totals.most_common(16)],
+            top_kernel_trace_args={name[:90]: {k: str(v)[:160] for k, v in
+                                               samples.get(name, {}).items()}
+                                   for name, _ in totals.most_common(6)},
+            copies_us_per_step_per_gpu=[(k, round(v / per, 1))
+                                        for k, v in copies.most_common(12)])
+    result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS)
+    name = f"decode_b{batch}_ctx{ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}"
+    log(**{name: result, f"{name}_total_s": round(time.perf_counter() - t, 1)})
+    del run
 
 
 def long_prompt(args, cfg, mesh, params, log):
