@@ -46,7 +46,8 @@ import dsv4_jax as dj  # first: XLA flags
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.ffi.policy import (ALGORITHM_ENV_VAR, IMPLEMENTATION_ENV_VAR, KernelPolicy)
+from dsv4_jax.ffi.policy import (ALGORITHM_ENV_VAR, IMPLEMENTATION_ENV_VAR,
+                                 PREFILL_ALGORITHM_ENV_VAR, KernelPolicy)
 from dsv4_jax.params import abstract_params
 import step_figures as figures
 
@@ -78,13 +79,17 @@ def sub_stack(params: dict, layers: int) -> dict:
 
 
 def policy_of(value: str) -> KernelPolicy:
-    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/unpaired]``)."""
+    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/unpaired]``;
+    ``+algorithm`` sets the grouped GEMM's decode kernel, ``+prefill:algorithm`` its prefill
+    kernel)."""
     value, _, variant = value.partition("/")
     if variant not in ("", "unpaired"):
         raise ValueError(f"--impls: {value}/{variant}: the only variant is /unpaired")
     value, _, algorithm = value.partition("+")
     env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
-    if algorithm:
+    if algorithm.startswith("prefill:"):
+        env[PREFILL_ALGORITHM_ENV_VAR] = algorithm.removeprefix("prefill:")
+    elif algorithm:
         env[ALGORITHM_ENV_VAR] = algorithm
     policy = KernelPolicy.from_environment(env)
     if variant:           # linears that share an input in a launch each
@@ -347,11 +352,13 @@ def run_prefill(args, base, params_big, out):
              "| impl | chunk | L=%d (ms) | L=%d (ms) | per layer (ms) | tokens/s per layer | "
              "tokens/s (L=%d) |" % (small, big, big), "|---|---|---|---|---|---|---|"]
     keep = {}
-    # A "+algorithm" suffix only changes decode tiles: prefill chunks run the same kernels.
-    for impl in dict.fromkeys(i.partition("+")[0] for i in args.impls):
+    # A "+algorithm" suffix only changes decode tiles: prefill chunks run the same kernels
+    # (a "+prefill:algorithm" suffix changes them).
+    for impl in dict.fromkeys(i if "+prefill:" in i else i.partition("+")[0]
+                              for i in args.impls):
         policy = policy_of(impl)
         for chunk in args.chunks:
-            if impl != "auto" and chunk > args.xla_max_chunk:
+            if impl.partition("+")[0] != "auto" and chunk > args.xla_max_chunk:
                 lines.append(f"| {impl} | {chunk} | skip | skip | | | |")
                 continue
             t = {}

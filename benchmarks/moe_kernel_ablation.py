@@ -7,12 +7,13 @@ device copy for the achievable HBM bandwidth. Decode sizes also run the warp-lev
     python3 benchmarks/moe_kernel_ablation.py --tiny        # dry run (CPU): variants, no launch
 
 TOKENS: comma-separated token counts (default 1,8,64,4096); --warp-only: only the
-"mma_sync" variants (decode sizes). Prefill sizes also run "wgmma_fp8" (FP8 WGMMAs), its
-ablations and stage depths; sizes between (64 < T < 2048, e.g. 128,256,512,1024) run every
-kernel on the same rows: the decode/prefill crossover for ``choose_config``. Every variant is
-a ``GroupedGemmSm90Config`` value (from ``resolve_config`` under a ``GroupedGemmPolicy``, or
-replaced fields of one); inputs are ``dsv4_jax.ffi.cases.moe_case(dims, "fp4", T, "random")``,
-times ``timing.back_to_back_seconds``.
+"mma_sync" variants (decode sizes). Prefill sizes also run "wgmma_fp8" (FP8 WGMMAs) and
+"wgmma_coop" (two math warpgroups), their ablations and stage depths; sizes between (64 < T
+< 2048, e.g. 128,256,512,1024) run every kernel on the same rows: the decode/prefill
+crossover for ``choose_config``. Every variant is a ``GroupedGemmSm90Config`` value (from
+``resolve_config`` under a ``GroupedGemmPolicy``, or replaced fields of one); inputs are
+``dsv4_jax.ffi.cases.moe_case(dims, "fp4", T, "random")``, times
+``timing.back_to_back_seconds``.
 """
 from __future__ import annotations
 
@@ -58,9 +59,16 @@ def variants(rows, dims, tokens, warp_only):
         warp = resolve_config(GroupedGemmPolicy(decode_algorithm="mma_fp8"), 64 * dims.k,
                               dims.experts, FMT, (dims.dim, dims.moe_inter_dim), simulate=True)
         out = [base, dataclasses.replace(base, block_n=64, num_stages=4), PREFILL_FP8_CONFIG,
-               warp, dataclasses.replace(warp, algorithm="mma_sync")]
+               warp, dataclasses.replace(warp, algorithm="mma_sync"),
+               config(prefill_algorithm="wgmma_coop")]
     else:
         out += [dataclasses.replace(base, block_n=64, num_stages=4)]
+        # Two math warpgroups per CTA: as shipped, the same ablations, 2 stages.
+        coop = config(prefill_algorithm="wgmma_coop")
+        out += [coop] + [dataclasses.replace(coop, ablation=a) for a in (
+            "no_dequant", "no_mma", "no_load+no_token_load",
+            "no_load+no_token_load+no_dequant+no_mma")]
+        out += [dataclasses.replace(coop, num_stages=2)]
         fp8 = config(prefill_algorithm="wgmma_fp8")
         out += [fp8] + [dataclasses.replace(fp8, ablation=a) for a in ("no_dequant", "no_mma")]
         out += [dataclasses.replace(fp8, num_stages=s) for s in (4, 5)]

@@ -44,7 +44,9 @@ class GroupedGemmPolicy:
       simulation -- ``"mma_sync"`` runs), ``"mma_fp8_stream"`` (its MMAs with the weights
       loaded into registers; the same fallback), ``"mma_sync"``, ``"wgmma"`` or
       ``"wgmma_fp8"``.
-    prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"`` or ``"wgmma_fp8"``.
+    prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"``, ``"wgmma_coop"`` (two
+      math warpgroups; FP4/FP8 weights and output features a multiple of 128, else
+      ``"wgmma"``) or ``"wgmma_fp8"``.
     split_k: K split of the decode kernels for at most two tiles of rows: None (automatic:
       split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``), or
       that many splits (1: none).

@@ -9,6 +9,7 @@ the same arguments and outputs; ``KERNELS`` is their table:
 |---|---|---|---|
 | ``"wgmma"`` | ``grouped_gemm_sm90_wgmma`` | prefill (and decode on request) | cp.async producer warpgroup, weights dequantised into a shared-memory A tile, WGMMA |
 | ``"wgmma_fp8"`` | ``grouped_gemm_sm90_wgmma_fp8`` | prefill | "wgmma" on FP8 WGMMAs, FP4 scales folded into e4m3 codes |
+| ``"wgmma_coop"`` | ``grouped_gemm_sm90_wgmma_coop`` | prefill | "wgmma" with 128 weight rows per CTA, two math warpgroups converting and multiplying 64 each |
 | ``"mma_sync"`` | ``grouped_gemm_sm90_mma_sync`` | decode (8 rows) | every warp streams 16 weight rows, converts them in registers, warp-level bf16 MMAs |
 | ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
 | ``"mma_fp8_stream"`` | ``grouped_gemm_sm90_mma_fp8_stream`` | decode (8 rows) | "mma_fp8" with the weights loaded straight into registers (no shared-memory ring, no barrier per K block) |
@@ -101,7 +102,12 @@ KERNELS = {spec.algorithm: spec for spec in (
                ("no_load", "no_mma"), min_stages=1),
     KernelSpec("wgmma_fp8", "grouped_gemm_sm90_wgmma_fp8", "GroupedGemmWgmmaFp8Sm90", "any",
                True, ("fp4", "fp8"), FP8_WGMMA_MAX_BLOCK_N, False, ("no_dequant", "no_mma")),
+    KernelSpec("wgmma_coop", "grouped_gemm_sm90_wgmma_coop", "GroupedGemmWgmmaCoopSm90", "any",
+               False, ("fp4", "fp8"), 128, False,
+               ("no_load", "no_token_load", "no_dequant", "no_mma")),
 )}
+# "wgmma_coop": weight rows per CTA and matrix (two math warpgroups of BLOCK_M).
+COOP_ROWS = 2 * BLOCK_M
 ALGORITHMS = tuple(KERNELS)
 WARP_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.tiles == "decode")
 PREFILL_ALGORITHMS = tuple(a for a, s in KERNELS.items() if s.tiles == "any")
@@ -191,9 +197,12 @@ class GroupedGemmSm90Config:
             stage = (mats * BLOCK_M * (ROW_BYTES[weight_format] + BLOCK_K + 4 + 8)
                      + self.block_n * (BLOCK_K + 4))
             return self.num_stages * stage + 3072
-        raw = mats * BLOCK_M * ROW_BYTES[weight_format] + mats * BLOCK_M * 4
+        cta_rows = COOP_ROWS if self.algorithm == "wgmma_coop" else BLOCK_M
+        raw = mats * cta_rows * ROW_BYTES[weight_format] + mats * cta_rows * 4
         x_tile = self.block_n * BLOCK_K * 2
-        dequant = 2 * mats * BLOCK_M * BLOCK_K * 2        # double-buffered bf16 A tiles
+        # bf16 A tiles: "wgmma" double-buffers its one warpgroup's, "wgmma_coop" has one per
+        # warpgroup and matrix.
+        dequant = 2 * mats * BLOCK_M * BLOCK_K * 2
         return self.num_stages * (raw + x_tile) + dequant + 2048
 
     def is_supported(self, *, weight_format: str, gated: bool, n_out: int, k_in: int,
@@ -213,6 +222,9 @@ class GroupedGemmSm90Config:
             return False, f"block_n {self.block_n} (a multiple of 8, <= {128 if gated else 256})"
         if n_out % BLOCK_M:
             return False, f"output features {n_out} (the kernel needs a multiple of {BLOCK_M})"
+        if self.algorithm == "wgmma_coop" and n_out % COOP_ROWS:
+            return False, (f"output features {n_out} (algorithm 'wgmma_coop' needs a multiple "
+                           f"of {COOP_ROWS})")
         if k_in % BLOCK_K:
             return False, f"input features {k_in} (the kernel needs a multiple of {BLOCK_K})"
         if weight_format == "fp8" and n_out % 128:
@@ -371,10 +383,11 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
 
 
 # The algorithms a policy names by default: "mma_fp8" for decode tiles ("mma_sync" where it
-# does not apply: BF16 weights or no FP8 activation simulation), "wgmma" for prefill tiles
-# ("wgmma_fp8" is exact but slower at large T). Measured choices: docs/performance.md.
+# does not apply: BF16 weights or no FP8 activation simulation), "wgmma_coop" for prefill
+# tiles ("wgmma" where it does not apply: BF16 weights, output features not a multiple of
+# 128; "wgmma_fp8" is exact but slower at large T). Measured choices: docs/performance.md.
 DEFAULT_DECODE_ALGORITHM = "mma_fp8"
-DEFAULT_PREFILL_ALGORITHM = "wgmma"
+DEFAULT_PREFILL_ALGORITHM = "wgmma_coop"
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
@@ -483,7 +496,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         decode_algorithm = "mma_sync"
     if not fp8_ok or any((k // BLOCK_K) % 2 for k in k_ins):
         decode_algorithm = "wgmma" if decode_algorithm == "wgmma_fp8" else decode_algorithm
-        prefill_algorithm = "wgmma"
+        prefill_algorithm = "wgmma" if prefill_algorithm == "wgmma_fp8" else prefill_algorithm
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
@@ -499,14 +512,18 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         return config
     algorithm = decode_algorithm if decode else prefill_algorithm
+    if algorithm == "wgmma_coop" and (weight_format not in KERNELS[algorithm].weight_formats
+                                      or any(n % COOP_ROWS for n in n_outs)):
+        algorithm = "wgmma"
     if algorithm == "wgmma_fp8":
         config = PREFILL_FP8_CONFIG
         if decode:
             config = dataclasses.replace(config, block_n=DECODE_CONFIG.block_n)
     elif decode:
-        config = DECODE_CONFIG
+        config = dataclasses.replace(DECODE_CONFIG, algorithm=algorithm)
     else:
         config = MID_CONFIG if num_rows <= MID_ROWS_PER_EXPERT * num_groups else PREFILL_CONFIG
+        config = dataclasses.replace(config, algorithm=algorithm)
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:

@@ -53,13 +53,19 @@ from .grouped_gemm_config import BLOCK_K, BLOCK_M, KERNELS, ROW_BYTES, GroupedGe
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output)
 
-NUM_THREADS = 256             # producer warpgroup + one math warpgroup
-DEQUANT_BARRIER = 1           # the math warpgroup's A tile is written
-REUSE_BARRIER = 2             # the previous stage's WGMMAs retired in every warp
+DEQUANT_BARRIER = 1           # a math warpgroup's A tile is written (+ 2 x its index)
+REUSE_BARRIER = 2             # its WGMMAs of a stage retired in every warp (+ 2 x its index)
+# Two math warpgroups ("wgmma_coop"): the producer gives registers to the accumulators.
+PRODUCER_REGS, MATH_REGS = 40, 232       # 40 + 2 x 232 <= 3 x 168 (no spills at 128-row tiles)
 
 
 class GroupedGemmWgmmaSm90:
-    """Static configuration of one compiled kernel (see the module docstring)."""
+    """Static configuration of one compiled kernel (see the module docstring).
+
+    ``MATH_WARPGROUPS`` math warpgroups share each stage's token rows, each converting and
+    multiplying its own 64 weight rows (``grouped_gemm_sm90_wgmma_coop`` sets two)."""
+
+    MATH_WARPGROUPS = 1
 
     def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
                  config: GroupedGemmSm90Config, scale_group: int = 1):
@@ -76,7 +82,14 @@ class GroupedGemmWgmmaSm90:
         self.row_bytes = ROW_BYTES[weight_format]
         self.dtype = cutlass.BFloat16          # the WGMMA operands in shared memory
         self.out_dtype = cutlass.BFloat16
-        self.a_buffers = 2 * self.mats         # A tiles: one per (matrix, parity)
+        self.math_wgs = self.MATH_WARPGROUPS
+        self.num_threads = 128 * (1 + self.math_wgs)
+        self.cta_rows = BLOCK_M * self.math_wgs          # weight rows per CTA and matrix
+        # One warpgroup double-buffers its A tiles (its conversion of the next stage overlaps
+        # its WGMMAs); two single-buffer them (shared memory), the other warpgroup's
+        # conversion overlapping a warpgroup's WGMMAs.
+        self.a_parity = 2 if self.math_wgs == 1 else 1
+        self.a_buffers = self.a_parity * self.mats * self.math_wgs   # (warpgroup, matrix, parity)
 
     # ------------------------------------------------------------------ host
     @cute.jit
@@ -100,20 +113,20 @@ class GroupedGemmWgmmaSm90:
         n_out = mOut.shape[1]
         self.kernel(mX, mXs, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw, mOut,
                     tiled_mma, sA_layout, sB_layout).launch(
-            grid=[n_out // BLOCK_M, mTileExpert.shape[0], 1],
-            block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=[n_out // self.cta_rows, mTileExpert.shape[0], 1],
+            block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.jit
     def storage_struct(self, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         """Shared memory: mbarriers, per-stage scale words and raw weight bytes, A and B."""
         stages = self.num_stages
-        raw_bytes = self.mats * BLOCK_M * self.row_bytes
+        raw_bytes = self.mats * self.cta_rows * self.row_bytes
 
         @cute.struct
         class SharedStorage:
             mbar: cute.struct.MemRange[Int64, 2 * stages]
             sScale: cute.struct.Align[
-                cute.struct.MemRange[Int32, stages * self.mats * BLOCK_M], 16]
+                cute.struct.MemRange[Int32, stages * self.mats * self.cta_rows], 16]
             sRaw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, stages * raw_bytes],
                                     128]
             sA: cute.struct.Align[
@@ -142,16 +155,21 @@ class GroupedGemmWgmmaSm90:
             pipe = pipeline.PipelineAsync.create(
                 barrier_storage=storage.mbar.data_ptr(), num_stages=self.num_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128))
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         128 * self.math_wgs))
             row0 = mTileRow0[slot]
             rows = mTileRows[slot]
             num_k = mX.shape[1] // BLOCK_K
             if wg == 0:
+                if const_expr(self.math_wgs > 1):
+                    cute.arch.setmaxregister_decrease(PRODUCER_REGS)
                 self.produce(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, num_k,
                              storage, sA, sB, pipe, tidx)
             else:
-                self.consume(mRw, mOut, m_tile, row0, rows, num_k, tidx - 128, storage, sA,
-                             sB, pipe, tiled_mma)
+                if const_expr(self.math_wgs > 1):
+                    cute.arch.setmaxregister_increase(MATH_REGS)
+                self.consume(mRw, mOut, m_tile, row0, rows, num_k, tidx - 128 * wg, storage,
+                             sA, sB, pipe, tiled_mma, wg - 1)
 
     @cute.jit
     def produce(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
@@ -169,10 +187,11 @@ class GroupedGemmWgmmaSm90:
             num_bits_per_copy=128)
         atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
         sB_vec = cute.flat_divide(sB, (1, 8))[0, None, None, None, None]
+        cta_rows = self.cta_rows
         # Global byte offsets of this tile's first weight row (row-major [E, N, row bytes]).
-        w_row0 = (expert * n_out + m_tile * BLOCK_M).to(Int64)
+        w_row0 = (expert * n_out + m_tile * cta_rows).to(Int64)
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)
-        raw_stage = self.mats * BLOCK_M * self.row_bytes
+        raw_stage = self.mats * cta_rows * self.row_bytes
         chunks = self.row_bytes // 16                 # 16 B chunks per weight row per stage
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
                                              self.num_stages)
@@ -188,28 +207,28 @@ class GroupedGemmWgmmaSm90:
             for mat in cutlass.range_constexpr(self.mats):
                 w_base = (mWa if mat == 0 else mWb).iterator.toint()
                 s_base = (mSa if mat == 0 else mSb).iterator.toint()
-                # Weight bytes: BLOCK_M rows x `chunks` 16 B chunks.
-                for i in cutlass.range_constexpr(BLOCK_M * chunks // 128):
+                # Weight bytes: cta_rows rows x `chunks` 16 B chunks.
+                for i in cutlass.range_constexpr(cta_rows * chunks // 128):
                     flat = i * 128 + tidx
                     r, c = flat // chunks, flat % chunks
                     src = (w_base + (w_row0 + r) * w_stride
                            + (kb * self.row_bytes + c * 16).to(Int64))
-                    dst = raw + (stage * raw_stage + (mat * BLOCK_M + r) * self.row_bytes
+                    dst = raw + (stage * raw_stage + (mat * cta_rows + r) * self.row_bytes
                                  + c * 16)
                     if issue:
                         copy_bytes(atom16, 16, src, dst)
                 # Scale bytes: 4 per row (FP4: K/32 per row, four per K block); FP8: the
                 # aligned 4 bytes holding this K block's byte of the row block's scale row.
                 if const_expr(self.weight_format == "fp4"):
-                    if tidx < BLOCK_M:
+                    if tidx < cta_rows:
                         src = s_base + ((w_row0 + tidx) * (k_in // 32) + kb * 4)
-                        dst = scales + ((stage * self.mats + mat) * BLOCK_M + tidx) * 4
+                        dst = scales + ((stage * self.mats + mat) * cta_rows + tidx) * 4
                         copy_bytes(atom4, 4, src, dst)
                 if const_expr(self.weight_format == "fp8"):
-                    if tidx == 0:
-                        blk_row = (expert * (n_out // 128) + m_tile * BLOCK_M // 128).to(Int64)
+                    if tidx == 0:      # cta_rows <= 128: the tile lies in one row block
+                        blk_row = (expert * (n_out // 128) + m_tile * cta_rows // 128).to(Int64)
                         src = s_base + blk_row * (k_in // 128) + (kb // 4) * 4
-                        dst = scales + ((stage * self.mats + mat) * BLOCK_M) * 4
+                        dst = scales + ((stage * self.mats + mat) * cta_rows) * 4
                         copy_bytes(atom4, 4, src, dst)
             # Token rows: bn rows x 16 chunks of 8 bf16. Rows past the tile's count are not
             # copied: their WGMMA columns (outputs never stored; no column mixes with
@@ -241,8 +260,10 @@ class GroupedGemmWgmmaSm90:
     @cute.jit
     def consume(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
                 rows: Int32, num_k: Int32, wg_tidx: Int32, storage, sA: cute.Tensor,
-                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma):
-        """WG1: dequantise each stage into an A tile, WGMMA, then the epilogue."""
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma,
+                math_wg: Int32):
+        """Math warpgroup ``math_wg`` (its 64 weight rows of the CTA's tile): dequantise each
+        stage into its A tiles, WGMMA, then the epilogue."""
         bn = self.block_n
         raw = storage.sRaw.data_ptr()
         scales = storage.sScale.data_ptr()
@@ -256,54 +277,70 @@ class GroupedGemmWgmmaSm90:
         tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
         sA_vec = cute.flat_divide(sA, (1, 8))[0, None, None, None, None]
         num_kk = cute.size(tCrA, mode=[2])
+        dequant_barrier = DEQUANT_BARRIER + 2 * math_wg
+        reuse_barrier = REUSE_BARRIER + 2 * math_wg
+        # A buffer of (matrix, parity): this warpgroup's are the next mats x a_parity.
+        a_base = math_wg * self.mats * self.a_parity
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                              self.num_stages)
         prev = state.clone()
         for kb in cutlass.range(num_k, unroll=1):
             pipe.consumer_wait(state)
-            parity = kb % 2
+            parity = kb % self.a_parity
             if const_expr(not self.leave_out["no_dequant"]):
                 for mat in cutlass.range_constexpr(self.mats):
-                    self.dequant(raw, scales, state.index, mat, kb, wg_tidx,
-                                 sA_vec, mat * 2 + parity)
+                    self.dequant(raw, scales, state.index, mat, kb, wg_tidx, sA_vec,
+                                 a_base + mat * self.a_parity + parity, math_wg)
             # Ordinary smem stores (A) and cp.async stores (B) are read by the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=DEQUANT_BARRIER, number_of_threads=128)
+            cute.arch.barrier(barrier_id=dequant_barrier, number_of_threads=128)
             cute.nvgpu.warpgroup.fence()
             for kk in cutlass.range_constexpr(0 if self.leave_out["no_mma"] else num_kk):
-                cute.gemm(tiled_mma, acc_a, tCrA[None, None, kk, parity],
+                cute.gemm(tiled_mma, acc_a, tCrA[None, None, kk, a_base + parity],
                           tCrB[None, None, kk, state.index], acc_a)
             if const_expr(self.gated and not self.leave_out["no_mma"]):
                 for kk in cutlass.range_constexpr(num_kk):
-                    cute.gemm(tiled_mma, acc_b, tCrA[None, None, kk, 2 + parity],
+                    cute.gemm(tiled_mma, acc_b,
+                              tCrA[None, None, kk, a_base + self.a_parity + parity],
                               tCrB[None, None, kk, state.index], acc_b)
             cute.nvgpu.warpgroup.commit_group()
-            # The previous stage's GEMMs retired: its token rows and A buffer are free.
-            cute.nvgpu.warpgroup.wait_group(1)
-            cute.arch.barrier(barrier_id=REUSE_BARRIER, number_of_threads=128)
-            if kb > 0:
-                pipe.consumer_release(prev)
-                prev.advance()
+            if const_expr(self.a_parity == 2):
+                # The previous stage's GEMMs retired: its token rows and A buffer are free.
+                cute.nvgpu.warpgroup.wait_group(1)
+                cute.arch.barrier(barrier_id=reuse_barrier, number_of_threads=128)
+                if kb > 0:
+                    pipe.consumer_release(prev)
+                    prev.advance()
+            else:
+                # One A buffer: this stage's GEMMs retire before the next conversion writes
+                # it (the other warpgroup's conversion overlaps them).
+                cute.nvgpu.warpgroup.wait_group(0)
+                cute.arch.barrier(barrier_id=reuse_barrier, number_of_threads=128)
+                pipe.consumer_release(state)
             state.advance()
-        cute.nvgpu.warpgroup.wait_group(0)
-        if num_k > 0:
-            pipe.consumer_release(prev)
-        self.epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc_a, acc_b)
+        if const_expr(self.a_parity == 2):
+            cute.nvgpu.warpgroup.wait_group(0)
+            if num_k > 0:
+                pipe.consumer_release(prev)
+        self.epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc_a, acc_b, math_wg)
 
     @cute.jit
     def dequant(self, raw: cute.Pointer, scales: cute.Pointer, stage: Int32,
                 mat: cutlass.Constexpr, kb: Int32, wg_tidx: Int32, sA_vec: cute.Tensor,
-                buf: Int32):
-        """This thread's share of one matrix's 64 x 128 tile: row wg_tidx // 2, K half
-        wg_tidx % 2 (64 elements), raw bytes -> bf16 into A buffer ``buf``."""
+                buf: Int32, math_wg: Int32):
+        """This thread's share of one matrix's 64 x 128 tile of math warpgroup ``math_wg``:
+        row wg_tidx // 2, K half wg_tidx % 2 (64 elements), raw bytes -> bf16 into A buffer
+        ``buf``."""
         r = wg_tidx // 2
         half = wg_tidx % 2
         raw = raw.toint()
         scales = scales.toint()
-        row_addr = raw + ((stage * self.mats + mat) * BLOCK_M + r) * self.row_bytes
-        scale_row = r if self.weight_format == "fp4" else 0    # FP8: one per row block
+        tile_row = math_wg * BLOCK_M + r                        # in the CTA's cta_rows
+        row_addr = raw + ((stage * self.mats + mat) * self.cta_rows + tile_row) * self.row_bytes
+        scale_row = tile_row if self.weight_format == "fp4" else 0  # FP8: one per row block
         scale_word = cute.make_tensor(
-            cute.make_ptr(Int32, scales + ((stage * self.mats + mat) * BLOCK_M + scale_row) * 4,
+            cute.make_ptr(Int32,
+                          scales + ((stage * self.mats + mat) * self.cta_rows + scale_row) * 4,
                           cute.AddressSpace.smem, assumed_align=4),
             cute.make_layout((1,)))
         if const_expr(self.weight_format == "fp4"):
@@ -346,11 +383,13 @@ class GroupedGemmWgmmaSm90:
 
     @cute.jit
     def epilogue(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
-                 rows: Int32, thr_mma: cute.ThrMma, acc_a: cute.Tensor, acc_b: cute.Tensor):
-        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated)."""
+                 rows: Int32, thr_mma: cute.ThrMma, acc_a: cute.Tensor, acc_b: cute.Tensor,
+                 math_wg: Int32 = 0):
+        """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated), of
+        math warpgroup ``math_wg``'s 64 output features."""
         bn = self.block_n
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, bn)))
-        col0 = m_tile * BLOCK_M
+        col0 = m_tile * self.cta_rows + math_wg * BLOCK_M
         for i in cutlass.range_constexpr(cute.size(acc_a)):
             m, n = tCcC[i][0], tCcC[i][1]
             if n < rows:

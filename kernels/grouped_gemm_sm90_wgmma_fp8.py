@@ -240,9 +240,11 @@ class GroupedGemmWgmmaFp8Sm90(GroupedGemmWgmmaSm90):
     @cute.jit
     def consume(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
                 rows: Int32, num_k: Int32, wg_tidx: Int32, storage, sA: cute.Tensor,
-                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma):
-        """WG1: two K blocks' WGMMA chains per iteration; the first promoted while the
-        second runs, then the second; then the epilogue."""
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma,
+                math_wg: Int32):
+        """WG1 (``math_wg`` 0: one math warpgroup): two K blocks' WGMMA chains per
+        iteration; the first promoted while the second runs, then the second; then the
+        epilogue."""
         bn = self.block_n
         ws = storage.sWs.data_ptr().toint()
         xs = storage.sXs.data_ptr().toint()

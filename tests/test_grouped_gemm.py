@@ -199,6 +199,26 @@ def test_cute_matches_the_reference(name, tokens, fmt, simulate):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name, tokens", [("wq_b", 4096), ("wo_b", 512), ("shared_w13", 4096),
+                                          ("shared_w2", 4096), ("wo_a", 512), ("wkv", 4096)])
+def test_cute_coop_prefill_matches_the_reference(name, tokens):
+    """The dense FP8 linears at prefill sizes on "wgmma_coop" (wkv: 512 output features)."""
+    groups, n, k, gated = GPU_SHAPES[name]
+    w = _flash_weight("fp8", groups, n, k, 1)
+    w_up = _flash_weight("fp8", groups, n, k, 2) if gated else None
+    x = jax.random.normal(jax.random.key(tokens), (tokens * groups, k),
+                          jnp.float32).astype(jnp.bfloat16)
+    kw = dict(swiglu_limit=LIMIT, simulate=name != "wo_a")
+    policy = GroupedGemmPolicy(prefill_algorithm="wgmma_coop")
+    f = jax.jit(lambda x, w, u: grouped_gemm(x, None, w, w_up=u, implementation="cute",
+                                             policy=policy, **kw))
+    got, again = f(x, w, w_up), f(x, w, w_up)
+    want = jax.jit(lambda x, w, u: grouped_gemm_reference(x, None, w, w_up=u, **kw))(x, w, w_up)
+    np.testing.assert_array_equal(_f64(got), _f64(again))
+    assert _rel_err(got, want) < 1e-2, _rel_err(got, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("algorithm", ["mma_sync", "wgmma"])
 def test_cute_decode_algorithms_match_the_reference(algorithm):
     w = _flash_weight("fp8", 1, 1024, 4096, 1)

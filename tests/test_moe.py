@@ -330,6 +330,30 @@ def test_wgmma_fp8_prefill_matches_the_reference(dims, fmt, t, routing):
                          policy=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
 
 
+# "wgmma_coop" prefill tiles (two math warpgroups, 128 weight rows per CTA): -k coop.
+PREFILL_COOP_CASES = ([("small", f, t, r) for f in ("fp4", "fp8") for t in (128, 512, 4096)
+                       for r in ("random", "dropped")]
+                      + [("small", "fp4", 4096, "one_expert"),
+                         ("small", "fp8", 512, "few_experts")]
+                      + [("flash", f, t, "random") for f in ("fp4", "fp8") for t in (4096,)]
+                      + [("flash", "fp4", 16384, "skewed"), ("pro", "fp4", 4096, "random")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, fmt, t, routing", PREFILL_COOP_CASES)
+def test_wgmma_coop_prefill_matches_the_reference(dims, fmt, t, routing):
+    e, _, _, k = DIMS[dims]
+    assert t * (1 if routing == "one_expert" else k) > 16 * e, "not a prefill-size case"
+    check_implementation("cute", dims, fmt, t, routing,
+                         policy=GroupedGemmPolicy(prefill_algorithm="wgmma_coop"))
+
+
+@pytest.mark.gpu
+def test_wgmma_coop_prefill_without_simulation_matches_the_reference():
+    check_implementation("cute", "flash", "fp4", 4096, "random", simulate=False,
+                         policy=GroupedGemmPolicy(prefill_algorithm="wgmma_coop"))
+
+
 # The K split of the decode kernels (opt-in): T = 1-2 on the warp algorithms.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims, fmt, t, algorithm", [

@@ -16,7 +16,8 @@ CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 # The kernel classes, named in their ELF: kernels/grouped_gemm_sm90_wgmma.py, kernels/grouped_gemm_sm90_mma_sync.py,
 # kernels/grouped_gemm_sm90_mma_fp8.py, kernels/grouped_gemm_sm90_wgmma_fp8.py.
 MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm90",
-              "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90"}
+              "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90",
+              "wgmma_coop": "GroupedGemmWgmmaCoopSm90"}
 BATCH = 2
 OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
                            "hc_pre": "xla", "hc_split_sinkhorn": "xla",
@@ -62,7 +63,8 @@ def _kernel_supports(cfg, tokens):
 def test_model_step_lowers_to_the_moe_kernel(expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
     gemm = GroupedGemmPolicy(decode_algorithm=algorithm) if algorithm else GroupedGemmPolicy()
-    algorithm = algorithm or ("mma_fp8" if tokens == 1 else "wgmma")   # the model simulates
+    # Prefill tiles run the default prefill kernel, whatever the decode policy names.
+    algorithm = "wgmma_coop" if tokens > 1 else (algorithm or "mma_fp8")
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
     # The other ops (attention, the dense linears, the mHC split) on their references: every
