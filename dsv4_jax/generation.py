@@ -126,7 +126,7 @@ def generate(model, params, prompts, max_new_tokens: int | None = None,
     completion does not parse) and why not (``errors``). ``tokenizer`` must then hold the
     chat tokens (the official ``tokenizer.json``), or be None for the byte fallback.
 
-    Prompts are prefilled ``prefill_chunk`` tokens per row and call (default: 4096 tokens
+    Prompts are prefilled ``prefill_chunk`` tokens per row and call (default: 8192 tokens
     per call on a GPU shared by the rows, ``decoding.default_prefill_chunk``; a multiple of
     the compression ratios), so a prompt of any length up to ``max_len`` runs in the memory of
     one chunk; the tokens are those of a one-shot prefill. ``prefill_progress=True`` shows a

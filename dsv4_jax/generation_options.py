@@ -53,7 +53,7 @@ class GenerationOptions:
     log-probabilities. ``max_len``: cache capacity per row (None: the bucketed prompt
     length + budget). ``speculative``: MTP speculative decoding. ``prefill_chunk``: prompts
     are prefilled this many tokens per row and call (None: ``decoding.default_prefill_chunk``,
-    4096 tokens per call on a GPU shared by the rows; it must be a multiple of the model's
+    8192 tokens per call on a GPU shared by the rows; it must be a multiple of the model's
     compression ratios, checked at the call), so memory and compiled programs do not grow
     with the prompt. ``prefill_progress``: show a progress
     bar (stderr) while a prompt longer than one chunk is prefilled. ``kv_dtype``: ``"fp8"``
