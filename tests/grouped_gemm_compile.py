@@ -1,7 +1,13 @@
 """Shared by the grouped-GEMM kernel tests: compiling a kernel configuration for sm_90a the way
-``cutlass_call`` does on the device, and the PTX ``prmt`` instruction replayed in Python."""
+``cutlass_call`` does on the device, assembling it with ``ptxas``, and the PTX ``prmt``
+instruction replayed in Python."""
+import re
+import shutil
+import subprocess
+
 import cutlass
 import cutlass.cute as cute
+import pytest
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from dsv4_jax.kernels import grouped_gemm_config as support
@@ -49,3 +55,21 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         algorithm=config.algorithm, ablation=config.ablation,
                         scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
                         split_k=config.split_k, token_stages=config.token_stages)
+
+
+def ptxas_log(tmp_path, compiled) -> str:
+    """``ptxas -v`` on a compiled kernel's PTX: its log (skips when ptxas is absent or older
+    than the PTX; the local CUDA 13.0 ptxas takes ISA <= 9.0, the DSL stamps 9.4 on the same
+    instructions)."""
+    if shutil.which("ptxas") is None:
+        pytest.skip("no ptxas on this machine")
+    ptx = re.sub(r"^\.version \d+\.\d+", ".version 9.0", compiled.artifacts.PTX, flags=re.M)
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o",
+                          str(tmp_path / "kernel.cubin")], capture_output=True, text=True)
+    log = out.stdout + out.stderr
+    if out.returncode and "Unsupported .version" in log:
+        pytest.skip(f"this ptxas is older than the PTX: {log.strip()[:200]}")
+    assert out.returncode == 0, log
+    return log

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import shutil
-import subprocess
 
 import pytest
 
 from dsv4_jax.kernels import grouped_gemm_config as support
 
-from grouped_gemm_compile import compile_variant as _compile  # noqa: E402
+pytest.importorskip("cutlass")
+from grouped_gemm_compile import compile_variant as _compile, ptxas_log  # noqa: E402
 
 COOP = dataclasses.replace(support.PREFILL_CONFIG, algorithm="wgmma_coop")
 FLASH_EXPERTS = 256
@@ -59,20 +58,6 @@ def test_support_names_what_coop_cannot_take():
                              x_dtype="bfloat16", num_tiles=8) == (True, "")
 
 
-def _ptxas(tmp_path, ptx: str) -> str:
-    if shutil.which("ptxas") is None:
-        pytest.skip("no ptxas on this machine")
-    src = tmp_path / "kernel.ptx"
-    src.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, flags=re.M))
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o",
-                          str(tmp_path / "kernel.cubin")], capture_output=True, text=True)
-    log = out.stdout + out.stderr
-    if out.returncode and "Unsupported .version" in log:
-        pytest.skip(f"this ptxas is older than the PTX: {log.strip()[:200]}")
-    assert out.returncode == 0, log
-    return log
-
-
 @pytest.mark.parametrize("fmt, gated, block_n", [("fp4", True, 128), ("fp4", False, 128),
                                                  ("fp4", True, 64)])
 def test_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_n):
@@ -88,7 +73,7 @@ def test_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_n):
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
     # Named barriers with a register id (1 + 2w, 2 + 2w): one per warpgroup and use.
     assert len(re.findall(r"bar\.sync\s+%r\d+, 128", ptx)) >= 2
-    log = _ptxas(tmp_path, ptx)
+    log = ptxas_log(tmp_path, compiled)
     assert "C7514" not in log and "serialized" not in log, log
     assert "0 bytes spill stores, 0 bytes spill loads" in log, log
     registers = int(re.search(r"Used (\d+) registers", log).group(1))

@@ -6,8 +6,6 @@ and every MoE kernel family through ptxas (no serialized WGMMAs, no spills)."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import ml_dtypes
 import numpy as np
@@ -17,7 +15,8 @@ from dsv4_jax import quant
 from dsv4_jax.kernels import grouped_gemm_config as support
 
 pytest.importorskip("cutlass")
-from grouped_gemm_compile import compile_variant as _compile, prmt as _prmt  # noqa: E402
+from grouped_gemm_compile import (compile_variant as _compile, prmt as _prmt,  # noqa: E402
+                                  ptxas_log)
 
 E4M3 = ml_dtypes.float8_e4m3fn
 MAGNITUDES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
@@ -181,24 +180,6 @@ def test_wgmma_fp8_compiles_for_sm90a(fmt, gated, block_n):
     assert compiled.dump_to_object("moe")[:4] == b"\x7fELF"
 
 
-def _ptxas(tmp_path, compiled) -> str:
-    """``ptxas -v`` on a compiled kernel's PTX: its log (skips when ptxas is absent or older
-    than the PTX; the local CUDA 13.0 ptxas takes ISA <= 9.0, the DSL stamps 9.4 on the same
-    instructions)."""
-    if shutil.which("ptxas") is None:
-        pytest.skip("no ptxas on this machine")
-    ptx = re.sub(r"^\.version \d+\.\d+", ".version 9.0", compiled.artifacts.PTX, flags=re.M)
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o",
-                          str(tmp_path / "kernel.cubin")], capture_output=True, text=True)
-    log = out.stdout + out.stderr
-    if out.returncode and "Unsupported .version" in log:
-        pytest.skip(f"this ptxas is older than the PTX: {log.strip()[:200]}")
-    assert out.returncode == 0, log
-    return log
-
-
 ASSEMBLED = {
     "wgmma_fp8-fp4-gated": ("fp4", True, support.PREFILL_FP8_CONFIG, 256),
     "wgmma_fp8-fp8-down": ("fp8", False, support.PREFILL_FP8_CONFIG, 256),
@@ -221,7 +202,7 @@ def test_moe_kernels_assemble_without_serialized_wgmma_or_spills(tmp_path, varia
     accumulator is read while its chain may be in flight -- what the first "wgmma_fp8"
     compiled to), no spills, registers that leave at least one CTA per SM."""
     fmt, gated, config, rows = ASSEMBLED[variant]
-    log = _ptxas(tmp_path, _compile(fmt, gated, config, a=rows, k=512, n=256, e=4))
+    log = ptxas_log(tmp_path, _compile(fmt, gated, config, a=rows, k=512, n=256, e=4))
     assert "C7514" not in log and "serialized" not in log, log
     assert "0 bytes spill stores, 0 bytes spill loads" in log, log
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
