@@ -16,7 +16,9 @@ N operand (``block_n`` rows), so a decode tile of one token row wastes no tensor
 on padding rows. Grid: (output features / 64, row-tile slots); a slot whose expert id is
 negative (the schedule's static worst case exceeds the real tiles) exits at once.
 
-Dataflow (256 threads: a producer warpgroup WG0 and a math warpgroup WG1):
+Dataflow (256 threads: a producer warpgroup WG0 and a math warpgroup WG1; "wgmma_coop",
+``grouped_gemm_sm90_wgmma_coop``, runs the same steps with two math warpgroups on 128 weight
+rows, each with single-buffered A tiles):
 
 1. WG0 issues ``cp.async`` for each K block of 128: the raw weight bytes of the tile's 64
    rows (per matrix), their scale bytes (4 B), and the tile's token rows (bf16) into a

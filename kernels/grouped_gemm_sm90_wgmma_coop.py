@@ -23,7 +23,8 @@ Dataflow per K block (384 threads; the producer gives registers to the math warp
 3. Epilogue: each warpgroup writes its 64 output features of the tile's rows.
 
 Constraints: as "wgmma", plus output features a multiple of 128 (``grouped_gemm_config``
-checks) and FP4/FP8 weights (BF16 stages do not fit shared memory with two A tiles each).
+checks) and FP4/FP8 weights (BF16 stages do not fit shared memory with two A tiles each);
+FP8 weights fit two stages of 128-row tiles, FP4 three.
 """
 from __future__ import annotations
 
