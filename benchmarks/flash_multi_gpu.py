@@ -279,14 +279,26 @@ def decode_figure(args, cfg, mesh, params, log, batch, ctx):
 def long_prompt(args, cfg, mesh, params, log):
     """One ``args.long_prompt``-token prompt prefilled in ``args.chunk``-token chunks (the
     rows ``padded_rows`` gives one prompt: the prompt, and copies of it as padding rows if
-    the mesh splits a batch of one), timed chunk by chunk: the first chunk compiles the
-    program (and the last, if narrower), so the prefill time of warm programs is the median
-    chunk times the chunk count."""
+    the mesh splits a batch of one), timed chunk by chunk, then decoded from the cache it
+    left. The first chunk compiles the program (and the last, if narrower); a chunk's time
+    grows with its prefix (the indexer and sparse attention read the cache), so the warm
+    prefill is the sum of the chunks' times with the first one counted as the second.
+    Progress is written every ``LOG_EVERY`` chunks, so a run cut by a time limit keeps it.
+    Decoding: ``dj.generate``'s loop from the prefilled cache, per step = the difference of a
+    short and a long budget run one after the other (the context grows by both)."""
     n_rows = padded_rows(mesh, 1)
     if args.long_prompt % args.chunk:
         raise ValueError(f"--long-prompt {args.long_prompt} is not a multiple of --chunk "
                          f"{args.chunk}")
-    max_len = max(args.max_len, -(-(args.long_prompt + 2 * args.steps) // 4096) * 4096)
+    short = max(2, args.steps // 4)
+    needed = args.long_prompt + 2 * (args.steps + short) + 1
+    max_len = max(args.max_len, -(-needed // 4096) * 4096)
+    if cfg.max_positions is not None and max_len > cfg.max_positions:
+        max_len = needed           # up to the RoPE range, not rounded past it
+    if cfg.max_positions is not None and max_len > cfg.max_positions:
+        raise ValueError(f"--long-prompt {args.long_prompt} + 4 decode budgets of --steps "
+                         f"{args.steps} need {needed} positions > {cfg.max_positions}, the "
+                         f"model's RoPE range")
     model = dj.DSV4(cfg, mesh=mesh, runtime_checks=False)
     programs = build_programs(plain_method(model, dj.Greedy()))
     rng = np.random.default_rng(0)
@@ -297,19 +309,56 @@ def long_prompt(args, cfg, mesh, params, log):
     stop, key = jnp.array([-7], jnp.int32), jax.random.key(0)
     cache = dj.Cache.init(cfg, n_rows, max_len, mesh=mesh)
     done_at = [time.perf_counter()]
-    first = run_prefill(programs, params, tokens, lengths, cache, key, stop,
-                        jnp.int32(args.steps), chunks=chunks,
-                        progress=lambda done, total: done_at.append(time.perf_counter()))[0]
+
+    def figures_so_far():
+        took = np.diff(done_at)
+        warm = np.concatenate([took[1:2], took[1:]]) if len(took) > 1 else took
+        marks = sorted({0, 1, len(took) // 2, len(took) - 1} & set(range(len(took))))
+        return dict(
+            tokens=args.long_prompt, rows_run=n_rows, chunk=args.chunk, max_len=max_len,
+            chunks_done=len(took), chunks=len(chunks),
+            prefill_with_compile_s=round(done_at[-1] - done_at[0], 2),
+            warm_prefill_s=round(float(warm.sum()), 2),
+            warm_tokens_per_s=round(len(took) * args.chunk / max(float(warm.sum()), 1e-9), 1),
+            median_chunk_s=round(float(np.median(warm)), 3),
+            chunk_s_at_prefix={int(chunks[i][0]): round(float(took[i]), 3) for i in marks},
+            memory=device_memory())
+
+    def progress(done, total):
+        done_at.append(time.perf_counter())
+        if len(done_at) % LOG_EVERY == 1:
+            log(long_prompt=figures_so_far())
+
+    first, first_lp, state, _, _, cache = run_prefill(
+        programs, params, tokens, lengths, cache, key, stop, jnp.int32(args.steps),
+        chunks=chunks, progress=progress)
     jax.block_until_ready(first)
-    took = np.diff(done_at)
-    warm = float(np.median(took[2:])) if len(took) > 2 else float(took[-1])
-    log(long_prompt=dict(
-        tokens=args.long_prompt, rows_run=n_rows, chunk=args.chunk, max_len=max_len,
-        prefill_with_compile_s=round(done_at[-1] - done_at[0], 2),
-        first_two_chunks_s=[round(float(c), 2) for c in took[:2]],
-        median_chunk_s=round(warm, 3), warm_prefill_s=round(warm * len(chunks), 2),
-        warm_tokens_per_s=round(args.chunk / warm, 1),
-        last_chunk_s=round(float(took[-1]), 3), memory=device_memory()))
+    log(long_prompt=figures_so_far())
+
+    def decode(first, first_lp, state, cache, budget):
+        t = time.perf_counter()
+        out, lps, state, cache = programs.loop(params, first, first_lp, state, cache, key,
+                                               stop, jnp.int32(budget), steps=args.steps)
+        out = jax.block_until_ready(out)
+        return out, lps, state, cache, time.perf_counter() - t
+
+    # The first call compiles; the second may compile again if the loop returns its state or
+    # cache split unlike prefill did; the third and fourth run the same program warm. Every
+    # call starts from the prefill's first token (the values do not change the work).
+    runs = []
+    for budget in (args.steps, short, short, args.steps):
+        out, _, state, cache, took = decode(first, first_lp, state, cache, budget)
+        runs.append(took)
+    per_step = (runs[3] - runs[2]) / (args.steps - short)
+    ids = np.asarray(out)
+    log(decode_after_long_prompt=dict(
+        context=args.long_prompt + 2 * (args.steps + short),
+        calls_s=[round(t, 2) for t in runs], generate_step_ms=round(per_step * 1e3, 3),
+        ids_valid=bool(((ids >= 0) & (ids < cfg.vocab_size)).all()),
+        generated_ids_sample=ids[0, :8].tolist(), memory=device_memory()))
+
+
+LOG_EVERY = 8       # chunks between progress records of a long prompt
 
 
 if __name__ == "__main__":

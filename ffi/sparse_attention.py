@@ -7,8 +7,8 @@ configuration is a ``SparseAttentionSm90Config`` (``kernels/sparse_attention_con
 
 Contract::
 
-    sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
-                     implementation=None) -> (o, lse)
+    sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
+                     scale, implementation=None) -> (o, lse)
 
     q:         [T, H, D]  query tokens (T = batch x step), D = 512 for DSV4
     kv:        [N, D]     flat pool of window entries (all rows' rings + new entries)
@@ -17,6 +17,10 @@ Contract::
                           q's dtype or uint8 [M, W]: FP8 entry rows (``dsv4_jax.kv_entry``,
                           W = 584 for D = 512), decoded where they are read
     extra_idx: [T, K2]    int32 rows of ``extra_kv``; -1 = unused slot
+    extra_len: [T]        optional int32 bound: slots ``j >= extra_len[t]`` of ``extra_idx[t]``
+                          are unused (HCA: a query's visible entries are its first slots);
+                          the kernel's work stops at it, so a long cache's unused tail costs
+                          nothing
     sink:      [H]        f32 per-head sink logit, in the denominator only
 
     o[t,h]   = sum_k e^{l_k} v_k / (sum_k e^{l_k} + e^{sink_h}),  l_k = scale * q[t,h].kv[k]
@@ -56,7 +60,8 @@ def _describe(name, x):
     return f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}"
 
 
-def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None):
+def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None,
+                                extra_len=None):
     """Raise ``TypeError``/``ValueError`` naming the argument when shapes or dtypes are wrong."""
     if q.ndim != 3:
         raise ValueError(f"sparse_attention: q must be [T, H, D]; {_describe('q', q)}")
@@ -99,6 +104,15 @@ def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None)
         if extra_idx.dtype != jnp.int32:
             raise TypeError(f"sparse_attention: extra_idx must be int32; "
                             f"{_describe('extra_idx', extra_idx)}")
+    if extra_len is not None:
+        if extra_idx is None:
+            raise ValueError("sparse_attention: extra_len bounds extra_idx, which is not given")
+        if extra_len.shape != (t,):
+            raise ValueError(f"sparse_attention: extra_len must be [T={t}]; "
+                             f"{_describe('extra_len', extra_len)}")
+        if extra_len.dtype != jnp.int32:
+            raise TypeError(f"sparse_attention: extra_len must be int32; "
+                            f"{_describe('extra_len', extra_len)}")
 
 
 def _gather(pool, idx, head_dim, dtype):
@@ -134,10 +148,19 @@ def _attend_chunk(q, pools, sink, scale):
     return o, lse
 
 
-def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale):
+def bounded_extra_idx(extra_idx, extra_len):
+    """``extra_idx`` with every slot at or past the token's ``extra_len`` set to -1."""
+    slot = jnp.arange(extra_idx.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(slot < extra_len[:, None], extra_idx, -1)
+
+
+def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=None,
+                               extra_len=None, scale):
     """Pure-JAX definition of the op (runs anywhere). Same contract as ``sparse_attention``.
     Only the rows a token selects are gathered (and, for FP8 entry rows, decoded)."""
-    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx)
+    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len)
+    if extra_len is not None:
+        extra_idx = bounded_extra_idx(extra_idx, extra_len)
     pools = [kv] if extra_kv is None else [kv, extra_kv]
     indices = [idx] if extra_kv is None else [idx, extra_idx]
 
@@ -157,7 +180,7 @@ def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=Non
     return o.reshape(-1, *q.shape[1:])[:t], lse.reshape(-1, q.shape[1])[:t]
 
 
-def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
+def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None, scale,
              config: SparseAttentionSm90Config = DEFAULT_CONFIG, **_) -> tuple[bool, str]:
     """``config.is_supported`` for these arguments; imports no cutlass."""
     try:
@@ -172,8 +195,8 @@ def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
         extra_entry_bytes=(extra_kv.shape[1] if kv_entry.is_fp8_table(extra_kv) else None))
 
 
-def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
-                          config: SparseAttentionSm90Config | None = None):
+def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
+                          scale, config: SparseAttentionSm90Config | None = None):
     """The Hopper kernel (``kernels/sparse_attention_sm90_kernel.py``) as an XLA custom call.
 
     ``config``: a ``SparseAttentionSm90Config`` (default: ``DEFAULT_CONFIG``); its
@@ -186,6 +209,7 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
     from .cute_call import cute_call
     from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel
 
+    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len)
     config = DEFAULT_CONFIG if config is None else config
     ok, reason = _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
                           scale=scale, config=config)
@@ -196,6 +220,9 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
     if not has_extra:
         # The launcher's signature is fixed; these stand-ins are never read (has_extra=False).
         extra_kv, extra_idx = kv, idx
+    has_extra_len = extra_len is not None
+    if not has_extra_len:           # a stand-in, never read (has_extra_len=False)
+        extra_len = jnp.zeros((1,), jnp.int32)
     num_slots = idx.shape[1] + (extra_idx.shape[1] if has_extra else 0)
     splits = choose_num_splits(t, h, num_slots, config.block_n)
     launch = config.resolve(splits, extra_fp8=has_extra and kv_entry.is_fp8_table(extra_kv))
@@ -209,8 +236,9 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
     static = dict(num_heads=h, softmax_scale=float(scale), num_splits=splits,
                   has_extra=has_extra, extra_fp8=kv_entry.is_fp8_table(extra_kv),
                   block_n=launch.block_n, num_stages=launch.num_stages,
-                  qk_split=launch.qk_split, ablation=launch.ablation)
-    inputs = (q, kv, idx, extra_kv, extra_idx, sink.astype(jnp.float32))
+                  qk_split=launch.qk_split, ablation=launch.ablation,
+                  has_extra_len=has_extra_len)
+    inputs = (q, kv, idx, extra_kv, extra_idx, extra_len, sink.astype(jnp.float32))
     if launch.poison is None:
         o, lse, _, _ = cute_call(kernel.sparse_attention_launcher, out_shapes, *inputs,
                                  **static)
@@ -222,8 +250,9 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, sc
     return o, lse
 
 
-def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
-                     implementation=None, config: SparseAttentionSm90Config | None = None):
+def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
+                     scale, implementation=None,
+                     config: SparseAttentionSm90Config | None = None):
     """Sparse MQA attention with sink; see the module docstring for the contract.
 
     ``implementation``: ``"cute"`` (the Hopper kernel; raises ``ValueError`` when it does not
@@ -231,24 +260,25 @@ def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, scale,
     ``"xla"`` (the pure-JAX reference) or ``None`` (the kernel when lowering for a Hopper GPU
     and it supports the arguments, else the reference).
     """
-    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx)
+    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len)
     if not isinstance(config, (SparseAttentionSm90Config, type(None))):
         raise TypeError(f"sparse_attention: config must be a SparseAttentionSm90Config or None, "
                         f"got {type(config).__name__}")
     config = DEFAULT_CONFIG if config is None else config
 
-    def reference(q, kv, idx, sink, extra_kv, extra_idx):
+    def reference(q, kv, idx, sink, extra_kv, extra_idx, extra_len):
         return sparse_attention_reference(q, kv, idx, sink, extra_kv=extra_kv,
-                                          extra_idx=extra_idx, scale=scale)
+                                          extra_idx=extra_idx, extra_len=extra_len,
+                                          scale=scale)
 
-    def kernel(q, kv, idx, sink, extra_kv, extra_idx):
+    def kernel(q, kv, idx, sink, extra_kv, extra_idx, extra_len):
         return sparse_attention_cute(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
-                                     scale=scale, config=config)
+                                     extra_len=extra_len, scale=scale, config=config)
 
     return dispatch("sparse_attention", implementation,
                     lambda: _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
                                      scale=scale, config=config),
-                    reference, kernel, q, kv, idx, sink, extra_kv, extra_idx)
+                    reference, kernel, q, kv, idx, sink, extra_kv, extra_idx, extra_len)
 
 
 register(OpSpec("sparse_attention", sparse_attention_reference, _support))

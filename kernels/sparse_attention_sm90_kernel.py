@@ -3,7 +3,9 @@
 One CTA owns one query token ``t``, one block of 64 heads ``hb`` and one split ``s`` of the
 token's entry list (flash-decoding). The entry list is the concatenation of the ``K`` window
 indices ``idx[t]`` (rows of ``kv``) and the ``K2`` compressed indices ``extra_idx[t]`` (rows of
-``extra_kv``); every index outside its pool is an unused slot.
+``extra_kv``); every index outside its pool is an unused slot. With ``has_extra_len`` a
+token's extra slots at or past ``extra_len[t]`` are unused too, and its CTAs' block loop
+stops there (an HCA query in a long cache gathers and multiplies only its visible entries).
 
 Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups WG1, WG2):
 
@@ -87,7 +89,8 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
 
     def __init__(self, num_heads: int, softmax_scale: float, num_splits: int = 1,
                  has_extra: bool = True, ablation: str = "", block_n: int = 64,
-                 num_stages: int = 2, qk_split: bool = False, extra_fp8: bool = False):
+                 num_stages: int = 2, qk_split: bool = False, extra_fp8: bool = False,
+                 has_extra_len: bool = False):
         # raises ValueError for a configuration (or ablation) the kernel does not offer
         config = SparseAttentionSm90Config(block_n, num_stages, qk_split, ablation)
         assert config.smem_bytes() <= SMEM_BYTES
@@ -102,6 +105,7 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
         self.num_splits = num_splits
         self.has_extra = has_extra
         self.extra_fp8 = extra_fp8 and has_extra
+        self.has_extra_len = has_extra_len and has_extra
         self.block_n = block_n
         self.num_stages = num_stages
         self.dtype = cutlass.BFloat16
@@ -109,8 +113,8 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
-                 mXKV: cute.Tensor, mXIdx: cute.Tensor, mSink: cute.Tensor,
-                 mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor,
+                 mXKV: cute.Tensor, mXIdx: cute.Tensor, mXLen: cute.Tensor,
+                 mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor,
                  mLsePart: cute.Tensor, stream: cuda.CUstream):
         bn, stages = self.block_n, self.num_stages
         # S = Q K^T: 64 heads x block_n entries, K = head_dim, both operands from smem.
@@ -147,7 +151,7 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
 
         self.shared_storage = SharedStorage
         num_tokens = mQ.shape[0]
-        self.kernel(mQ, mKV, mIdx, mXKV, mXIdx, mSink, mO, mLse, mOPart, mLsePart,
+        self.kernel(mQ, mKV, mIdx, mXKV, mXIdx, mXLen, mSink, mO, mLse, mOPart, mLsePart,
                     tiled_mma_s, tiled_mma_o, sQ_layout, sK_layout, sV_layout).launch(
             grid=[self.num_splits, self.num_head_blocks, num_tokens],
             block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -159,8 +163,8 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
-               mXKV: cute.Tensor, mXIdx: cute.Tensor, mSink: cute.Tensor, mO: cute.Tensor,
-               mLse: cute.Tensor, mOPart: cute.Tensor, mLsePart: cute.Tensor,
+               mXKV: cute.Tensor, mXIdx: cute.Tensor, mXLen: cute.Tensor, mSink: cute.Tensor,
+               mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor, mLsePart: cute.Tensor,
                tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout):
@@ -185,6 +189,10 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
         num_extra = Int32(0)
         if const_expr(self.has_extra):
             num_extra = mXIdx.shape[1]
+            if const_expr(self.has_extra_len):
+                # This token's used extra slots lie below its bound: the blocks past it are
+                # never gathered nor multiplied (splits past it are empty: lse = -inf).
+                num_extra = cutlass.max(cutlass.min(mXLen[t], num_extra), 0)
         num_blocks = (num_window + num_extra + bn - 1) // bn
         per_split = (num_blocks + self.num_splits - 1) // self.num_splits
         blk_begin = split * per_split
@@ -590,7 +598,7 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
 @cute.jit
 def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Tensor,
                               idx: cute.Tensor, extra_kv: cute.Tensor, extra_idx: cute.Tensor,
-                              sink: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
+                              extra_len: cute.Tensor, sink: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
                               o_part: cute.Tensor, lse_part: cute.Tensor, *,
                               num_heads: cutlass.Constexpr, softmax_scale: cutlass.Constexpr,
                               num_splits: cutlass.Constexpr, has_extra: cutlass.Constexpr,
@@ -598,11 +606,12 @@ def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Te
                               num_stages: cutlass.Constexpr = DEFAULT_CONFIG.num_stages,
                               qk_split: cutlass.Constexpr = False,
                               ablation: cutlass.Constexpr = "",
-                              extra_fp8: cutlass.Constexpr = False):
+                              extra_fp8: cutlass.Constexpr = False,
+                              has_extra_len: cutlass.Constexpr = False):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
     SparseAttentionSm90(num_heads, softmax_scale, num_splits, has_extra, ablation, block_n,
-                        num_stages, qk_split, extra_fp8)(q, kv, idx, extra_kv, extra_idx, sink,
-                                                         o, lse, o_part, lse_part, stream)
+                        num_stages, qk_split, extra_fp8, has_extra_len)(
+        q, kv, idx, extra_kv, extra_idx, extra_len, sink, o, lse, o_part, lse_part, stream)
 
 
 __all__ = ["SparseAttentionSm90", "sparse_attention_launcher"]

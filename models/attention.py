@@ -49,19 +49,21 @@ def window_indices(lengths: jax.Array, seq: int, window: int) -> jax.Array:
     return jnp.where(p >= 0, local, -1).astype(jnp.int32)
 
 
-def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementation,
-                config=None):
+def attend_rows(q, pool, win_idx, table, selected, selected_len, sink, *, scale,
+                implementation, config=None):
     """The sparse attention of a batch of rows, per-row indices made global for the op.
 
     q [B,S,H,c]; pool [B,W+S,c] window pool; win_idx [B,S,W] into the row's pool; table
     [B,N,c] compressed entries, [B,N,584] uint8 FP8 rows (the op decodes the rows it reads)
-    or None; selected [B,S,K2] entry ids (-1 unused) -> o [B,S,H,c]. ``config``: the
-    kernel's ``SparseAttentionSm90Config`` (``KernelPolicy.sparse_attention``).
+    or None; selected [B,S,K2] entry ids (-1 unused); selected_len [B,S] int32 or None: slots
+    of ``selected`` at or past it are unused (HCA: the visible entries come first, and the
+    kernel stops there, so a long cache's empty tail costs nothing) -> o [B,S,H,c].
+    ``config``: the kernel's ``SparseAttentionSm90Config`` (``KernelPolicy.sparse_attention``).
     """
     b, s, h, c = q.shape
     offset = jnp.arange(b, dtype=jnp.int32)[:, None, None] * pool.shape[1]
     win = jnp.where(win_idx >= 0, win_idx + offset, -1).reshape(b * s, -1)
-    extra_kv = extra_idx = None
+    extra_kv = extra_idx = extra_len = None
     if table is not None and table.shape[1]:
         n = table.shape[1]
         row = jnp.arange(b, dtype=jnp.int32)[:, None, None] * n
@@ -69,9 +71,11 @@ def attend_rows(q, pool, win_idx, table, selected, sink, *, scale, implementatio
         extra_kv = table.reshape(b * n, table.shape[-1])
         if not kv_entry.is_fp8_table(table):
             extra_kv = extra_kv.astype(q.dtype)
+        if selected_len is not None:
+            extra_len = selected_len.reshape(b * s).astype(jnp.int32)
     o, _ = sparse_attention(q.reshape(b * s, h, c), pool.reshape(-1, c).astype(q.dtype), win,
-                            sink, extra_kv=extra_kv, extra_idx=extra_idx, scale=scale,
-                            implementation=implementation, config=config)
+                            sink, extra_kv=extra_kv, extra_idx=extra_idx, extra_len=extra_len,
+                            scale=scale, implementation=implementation, config=config)
     return o.reshape(b, s, h, c)
 
 
@@ -89,11 +93,12 @@ def update_ring(ring: jax.Array, new: jax.Array, lengths: jax.Array,
     return jnp.where(from_chunk[..., None], picked.astype(ring.dtype), ring)
 
 
-def all_entry_indices(positions: jax.Array, ratio: int, n_entries: int) -> jax.Array:
-    """HCA: [B, S, n_entries] entry ids visible to each query ((j+1)*m <= t+1), else -1."""
+def all_entry_indices(positions: jax.Array, ratio: int, n_entries: int):
+    """HCA: ``([B, S, n_entries] ids, [B, S] count)``: the entry ids visible to each query
+    ((j+1)*m <= t+1), else -1, and how many there are (the first ``count`` slots)."""
     j = jnp.arange(n_entries)
-    visible = (positions + 1) // ratio
-    return jnp.where(j[None, None, :] < visible[..., None], j, -1).astype(jnp.int32)
+    visible = jnp.clip((positions + 1) // ratio, 0, n_entries).astype(jnp.int32)
+    return jnp.where(j[None, None, :] < visible[..., None], j, -1).astype(jnp.int32), visible
 
 
 @struct.dataclass
@@ -201,7 +206,7 @@ class Attention(nn.Module):
         pool = jnp.concatenate([lcache.window.astype(kv.dtype), kv], axis=1)   # [B, W+S, c]
         win_idx = window_indices(lengths, s, w)
 
-        pending, sel, table = LayerPending(kv=kv), None, None
+        pending, sel, sel_len, table = LayerPending(kv=kv), None, None, None
         if kind != "swa":
             pending = pending.replace(compressor=Compressor(cfg, ratio, c, name="compressor")(
                 x, lcache.kv_state, lcache.score_state, lengths, num_new, inv_freq))
@@ -213,7 +218,7 @@ class Attention(nn.Module):
         if kind != "swa":
             table = new_cache.compressed                     # this call's entries included
             if kind == "hca":
-                sel = all_entry_indices(positions, ratio, table.shape[1])
+                sel, sel_len = all_entry_indices(positions, ratio, table.shape[1])
 
         sink = self.param("attn_sink", normal_init(0.5), (h,), jnp.float32)
         attend = functools.partial(
@@ -221,10 +226,10 @@ class Attention(nn.Module):
             implementation=self.policy.implementation_for("sparse_attention"),
             config=self.policy.sparse_attention)
         if self.mesh is None:
-            o = attend(q, pool, win_idx, table, sel, sink)
+            o = attend(q, pool, win_idx, table, sel, sel_len, sink)
         else:       # data parallel: every device attends its own rows with local indices
             o, = batch_parallel(lambda *a: (attend(*a),), self.mesh,
-                                (q, pool, win_idx, table, sel), (sink,), 1)
+                                (q, pool, win_idx, table, sel, sel_len), (sink,), 1)
         o = rope_tail(o, positions[..., None], inv_freq, rd, inverse=True)
         o = o.reshape(b, s, cfg.o_groups, h // cfg.o_groups * c)
         u = GroupedOutput(cfg, self.policy, self.mesh, name="wo_a")(o)

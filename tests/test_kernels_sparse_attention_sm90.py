@@ -22,20 +22,22 @@ S = jax.ShapeDtypeStruct
 CUSTOM_CALL = "CuteDSLRT_NvJaxCutlassCall_v2"
 
 
-def _compile(t, h, k, k2, n, m, splits, config, extra_fp8=False):
+def _compile(t, h, k, k2, n, m, splits, config, extra_fp8=False, has_extra_len=False):
     def fake(dtype, shape):
         return make_fake_compact_tensor(dtype, shape, assumed_align=16)
     bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
     extra = fake(cutlass.Uint8, (m, 584)) if extra_fp8 else fake(bf16, (m, 512))
     tensors = [fake(bf16, (t, h, 512)), fake(bf16, (n, 512)), fake(i32, (t, k)),
-               extra, fake(i32, (t, k2)), fake(f32, (h,)),
+               extra, fake(i32, (t, k2)), fake(i32, (t,) if has_extra_len else (1,)),
+               fake(f32, (h,)),
                fake(bf16, (t, h, 512)), fake(f32, (t, h)),
                fake(f32, (splits, t, h, 512) if splits > 1 else (1,)),
                fake(f32, (splits, t, h) if splits > 1 else (1,))]
     return cute.compile(kernel.sparse_attention_launcher, make_fake_stream(), *tensors,
                         num_heads=h, softmax_scale=SCALE, num_splits=splits, has_extra=True,
                         block_n=config.block_n, num_stages=config.num_stages,
-                        qk_split=config.qk_split, extra_fp8=extra_fp8)
+                        qk_split=config.qk_split, extra_fp8=extra_fp8,
+                        has_extra_len=has_extra_len)
 
 
 VARIANTS = {"single": (1, Config(64, 2, False)), "split": (6, Config(48, 3, False)),
@@ -85,6 +87,23 @@ def test_fp8_second_pool_compiles_to_copies_and_in_place_widening(splits, config
     assert len(re.findall(r"bar\.sync\s+9, 128;", ptx)) == 2
     assert len(re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16", ptx)) == 32
     assert ".local" not in ptx
+
+
+@pytest.mark.parametrize("splits, config", [(1, Config(64, 2, True)), (6, Config(48, 3, False))])
+def test_bounded_extra_list_reads_each_tokens_bound_once(splits, config):
+    """``has_extra_len``: every CTA loads its token's bound (one 4-byte global load more
+    than the unbounded build, whose trip count comes from the list's width alone) and the
+    kernel still issues the same WGMMAs."""
+    def loads(ptx):
+        return len(re.findall(r"\bld\.global(?:\.\w+)*\.[bsu]32\s", ptx))
+
+    plain = _compile(2, 64, 128, 512, 1000, 3000, splits, config).artifacts.PTX
+    bounded = _compile(2, 64, 128, 512, 1000, 3000, splits, config,
+                       has_extra_len=True).artifacts.PTX
+    assert loads(bounded) == loads(plain) + 1, (loads(bounded), loads(plain))
+    for ptx in (plain, bounded):
+        assert len(re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16", ptx)) == 32
+        assert ".local" not in ptx
 
 
 def test_configs_fit_in_shared_memory():

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax.ffi import sparse_attention, sparse_attention_reference
-from dsv4_jax.ffi.sparse_attention import SparseAttentionSm90Config, sparse_attention_cute
+from dsv4_jax.ffi.sparse_attention import (SparseAttentionSm90Config, bounded_extra_idx,
+                                           sparse_attention_cute)
 
 SCALE = 512 ** -0.5
 # The shared tests below take the ``implementation`` fixture (tests/conftest.py): once per
@@ -139,6 +140,20 @@ def test_bad_extra_pool_arguments():
                          extra_idx=jnp.zeros((2, 4), jnp.float32), scale=SCALE)
 
 
+def test_bad_extra_len_arguments():
+    extra = dict(extra_kv=jnp.zeros((4, 512), jnp.bfloat16),
+                 extra_idx=jnp.zeros((2, 4), jnp.int32))
+    with pytest.raises(ValueError, match="extra_len bounds extra_idx, which is not given"):
+        sparse_attention(**_args(), extra_len=jnp.zeros((2,), jnp.int32), scale=SCALE)
+    with pytest.raises(ValueError, match=r"extra_len must be \[T=2\]; extra_len has shape "
+                                         r"\(2, 1\)"):
+        sparse_attention(**_args(), **extra, extra_len=jnp.zeros((2, 1), jnp.int32),
+                         scale=SCALE)
+    with pytest.raises(TypeError, match="extra_len must be int32"):
+        sparse_attention(**_args(), **extra, extra_len=jnp.zeros((2,), jnp.float32),
+                         scale=SCALE)
+
+
 # ---------------------------------------------------------------------------- checks
 
 def _relative_error(x, ref):
@@ -187,6 +202,34 @@ def test_op_matches_the_independent_formula(implementation, t, h, k, k2, n, m, l
     o, lse = f(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"], c["extra_idx"])
     _check_close(o, lse, *numpy_attention(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"],
                                           c["extra_idx"]))
+
+
+BOUNDED_CASES = [  # (T, H, K, K2, N, M): HCA-like lists bounded per token
+    (1, 64, 128, 8330, 300, 9000),     # decode at a long cache: flash-decoding splits
+    (3, 64, 128, 600, 300, 700),       # a few decode rows
+    (64, 64, 128, 1100, 500, 1200),    # a prefill chunk: one split, bounds across blocks
+]
+
+
+@pytest.mark.parametrize("t, h, k, k2, n, m", BOUNDED_CASES)
+def test_extra_len_leaves_the_tail_of_each_list_unused(implementation, t, h, k, k2, n, m):
+    """``extra_len`` = the same op on ids set to -1 from each token's bound on: bounds of 0,
+    mid-block, on a block edge, at K2 and past it, and negative; ids past the bound are
+    valid rows (so ignoring the bound would change the result)."""
+    c = make_case(50 + t, t, h, k, k2, n, m, holes=0.2, empty_token=False)
+    rng = np.random.default_rng(t)
+    bound = rng.integers(0, k2 + 1, t).astype(np.int32)
+    special = [0, 1, 64, k2, k2 + 100, -3]
+    bound[:min(t, len(special))] = special[:t]
+    bound = jnp.asarray(bound)
+    f = jax.jit(lambda q, kv, i, s, x, xi, xl: sparse_attention(
+        q, kv, i, s, extra_kv=x, extra_idx=xi, extra_len=xl, scale=SCALE,
+        implementation=implementation))
+    o, lse = f(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"], c["extra_idx"], bound)
+    masked = bounded_extra_idx(c["extra_idx"], bound)
+    assert int(jnp.sum(masked != c["extra_idx"])) > t, "the bound must cut used slots"
+    _check_close(o, lse, *numpy_attention(c["q"], c["kv"], c["idx"], c["sink"], c["extra_kv"],
+                                          masked))
 
 
 def test_out_of_range_indices_are_unused(implementation):
