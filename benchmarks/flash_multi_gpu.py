@@ -18,13 +18,16 @@ expert-parallel all-to-all, the head's and embedding's gathers) -- run it with
 ``DSV4_COMMAND_BUFFERS=default``, or the profiler sees CUDA graphs, not kernels. A long
 prompt (``--long-prompt N``) is prefilled in ``--chunk``-token chunks (one row, replicated
 over the expert axis; with ``--replicate-max-rows 0`` one row per device, the real prompt
-and copies of it as padding), timed chunk by chunk.
+and copies of it as padding), timed chunk by chunk, and then decoded from the cache it left
+(the generate loop at the prompt's context; ``--max-len`` sizes the cache, e.g. a 128k
+prompt in a cache for 1M tokens).
 
     source .device/setup.sh && python3 benchmarks/flash_multi_gpu.py --batch 8
     python3 benchmarks/flash_multi_gpu.py --batches 1,8,64 --ctx 4096 --steps 24
     DSV4_COMMAND_BUFFERS=default python3 benchmarks/flash_multi_gpu.py --batches 8 --ctx 4096 \
         --profile
-    python3 benchmarks/flash_multi_gpu.py --long-prompt 131072 --chunk 4096
+    python3 benchmarks/flash_multi_gpu.py --long-prompt 131072 --chunk 8192
+    python3 benchmarks/flash_multi_gpu.py --long-prompt 1040384 --chunk 8192 --steps 16  # ~1M
     python3 benchmarks/flash_multi_gpu.py --layers 4          # a reduced stack (say so!)
     python3 benchmarks/flash_multi_gpu.py --model pro --batch 64 --prompt 1024 --max-len 4096
     # no GPU: lower and compile on 8 simulated CPU devices with abstract parameters
