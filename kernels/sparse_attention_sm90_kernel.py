@@ -46,6 +46,7 @@ Constraints:
 * num_heads a multiple of 64 (64 heads per CTA; H=128 runs two CTAs per token, which read the
   same entries, the second mostly from L2).
 * K >= 1 window slots; K2 >= 0 extra slots; pools of at least one row each; int32 indices;
+  ``extra_len`` (with ``has_extra_len``) int32 [T], any value (clamped to 0 .. K2);
   an FP8 second pool is uint8 [M, 584] (448 e4m3 codes, 64 BF16 RoPE dims, 7 E8M0 scales).
 * (block_n, num_stages, qk_split) in ``sparse_attention_config.CONFIGS``: the stages, Q and
   (split) the 2 x 64 x block_n fp32 score exchange fit in 227 KB of smem; split QK^T needs
@@ -598,8 +599,8 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
 @cute.jit
 def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Tensor,
                               idx: cute.Tensor, extra_kv: cute.Tensor, extra_idx: cute.Tensor,
-                              extra_len: cute.Tensor, sink: cute.Tensor, o: cute.Tensor, lse: cute.Tensor,
-                              o_part: cute.Tensor, lse_part: cute.Tensor, *,
+                              extra_len: cute.Tensor, sink: cute.Tensor, o: cute.Tensor,
+                              lse: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, *,
                               num_heads: cutlass.Constexpr, softmax_scale: cutlass.Constexpr,
                               num_splits: cutlass.Constexpr, has_extra: cutlass.Constexpr,
                               block_n: cutlass.Constexpr = DEFAULT_CONFIG.block_n,
