@@ -328,6 +328,35 @@ def test_kernel_on_fp8_rows_equals_the_kernel_on_their_bf16_values(t, h, k, k2, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t, h, k, k2, n, m", [(2, 64, 128, 8192, 300, 9000),
+                                              (300, 64, 128, 160, 256, 200)])
+def test_kernel_on_fp8_rows_stops_at_each_tokens_bound(t, h, k, k2, n, m):
+    """``extra_len`` with FP8 rows (an HCA layer over an FP8 cache): the producer's late
+    commit runs over the bounded block count; bit for bit the BF16 launch with the same
+    bound, and the reference with the ids past the bound set to -1."""
+    q, kv, idx, sink, rows, xidx = op_case(40 + t, t, h, k, k2, n, m)
+    rng = np.random.default_rng(t)
+    bound = rng.integers(0, k2 + 1, t).astype(np.int32)
+    bound[:2] = (0, 65)
+    bound = jnp.asarray(bound)
+    config = Sm90(64, 2, False, poison=float("nan"))
+    f = jax.jit(lambda q, kv, i, s, x, xi, xl: sparse_attention_cute(
+        q, kv, i, s, extra_kv=x, extra_idx=xi, extra_len=xl, scale=SCALE, config=config))
+    o8, lse8 = f(q, kv, idx, sink, rows, xidx, bound)
+    o16, lse16 = f(q, kv, idx, sink, kv_entry.decode(rows, 512), xidx, bound)
+    np.testing.assert_array_equal(bits(o8), bits(o16))
+    np.testing.assert_array_equal(bits(lse8), bits(lse16))
+    slot = np.arange(k2)[None, :]
+    masked = jnp.where(slot < np.asarray(bound)[:, None], xidx, -1)
+    ref_o, ref_lse = (np.asarray(x, np.float32) for x in sparse_attention_reference(
+        q, kv, idx, sink, extra_kv=rows, extra_idx=masked, scale=SCALE))
+    o8, lse8 = np.asarray(o8, np.float32), np.asarray(lse8)
+    for tok in range(t):
+        assert np.linalg.norm(o8[tok] - ref_o[tok]) <= 2e-2 * np.linalg.norm(ref_o[tok]), tok
+    np.testing.assert_array_equal(np.isneginf(lse8), np.isneginf(ref_lse))
+
+
+@pytest.mark.gpu
 def test_model_on_gpu_with_an_fp8_cache_gives_the_bf16_caches_logits():
     """The attention kernel in the model (64 heads) reading the FP8 table: the same logits
     as with the BF16 table, prefill and decode, bit for bit, once both launch with the
