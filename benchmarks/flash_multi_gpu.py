@@ -296,12 +296,12 @@ def long_prompt(args, cfg, mesh, params, log):
     short = max(2, args.steps // 4)
     needed = args.long_prompt + 2 * (args.steps + short) + 1
     max_len = max(args.max_len, -(-needed // 4096) * 4096)
-    if cfg.max_positions is not None and max_len > cfg.max_positions:
-        max_len = needed           # up to the RoPE range, not rounded past it
-    if cfg.max_positions is not None and max_len > cfg.max_positions:
-        raise ValueError(f"--long-prompt {args.long_prompt} + 4 decode budgets of --steps "
-                         f"{args.steps} need {needed} positions > {cfg.max_positions}, the "
-                         f"model's RoPE range")
+    if cfg.max_positions is not None:
+        if needed > cfg.max_positions:
+            raise ValueError(f"--long-prompt {args.long_prompt} + 4 decode budgets of --steps "
+                             f"{args.steps} need {needed} positions > {cfg.max_positions}, "
+                             f"the model's RoPE range")
+        max_len = min(max_len, cfg.max_positions)      # rounded up, never past the range
     model = dj.DSV4(cfg, mesh=mesh, runtime_checks=False)
     programs = build_programs(plain_method(model, dj.Greedy()))
     rng = np.random.default_rng(0)

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 from dsv4_jax import kv_entry, plan, quant
 from dsv4_jax.ffi import sparse_attention, sparse_attention_reference
-from dsv4_jax.ffi.sparse_attention import SparseAttentionSm90Config, sparse_attention_cute
+from dsv4_jax.ffi.sparse_attention import (SparseAttentionSm90Config, bounded_extra_idx,
+                                           sparse_attention_cute)
 from dsv4_jax.kernels import sparse_attention_config as kernel_config
 from model_lowering import cute_calls, lower_decode_step
 
@@ -346,8 +347,7 @@ def test_kernel_on_fp8_rows_stops_at_each_tokens_bound(t, h, k, k2, n, m):
     o16, lse16 = f(q, kv, idx, sink, kv_entry.decode(rows, 512), xidx, bound)
     np.testing.assert_array_equal(bits(o8), bits(o16))
     np.testing.assert_array_equal(bits(lse8), bits(lse16))
-    slot = np.arange(k2)[None, :]
-    masked = jnp.where(slot < np.asarray(bound)[:, None], xidx, -1)
+    masked = bounded_extra_idx(xidx, bound)
     ref_o, ref_lse = (np.asarray(x, np.float32) for x in sparse_attention_reference(
         q, kv, idx, sink, extra_kv=rows, extra_idx=masked, scale=SCALE))
     o8, lse8 = np.asarray(o8, np.float32), np.asarray(lse8)
