@@ -120,6 +120,7 @@ def spin_launcher(stream: cuda.CUstream, token: cute.Tensor, token_out: cute.Ten
 
 
 def spin(token, us: float):
+    """The token after ``us`` microseconds of one spinning CTA (none for ``us <= 0``)."""
     if us <= 0:
         return token
     return cute_call(spin_launcher, (jax.ShapeDtypeStruct((1,), jnp.int32),), token,
@@ -127,6 +128,7 @@ def spin(token, us: float):
 
 
 def prefetch(arrays, token, piece: int):
+    """The token after one prefetch launch per array (its bytes, ``piece`` per thread)."""
     for a in arrays:
         data = jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(-1)
         token = cute_call(l2_prefetch_launcher, (jax.ShapeDtypeStruct((1,), jnp.int32),),
@@ -148,13 +150,16 @@ def main(argv=None):
     shapes = {"wo_b": (d, cfg.o_groups * cfg.o_lora_rank, False),
               "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, False),
               "shared_w13": (cfg.moe_inter_dim, d, True)}
+    unknown = [g for g in a.gemms.split(",") if g not in shapes]
+    if unknown:
+        p.error(f"--gemms: {unknown} not among {sorted(shapes)}")
     print(f"# l2_prefetch_probe, {jax.devices()[0].device_kind}, `{' '.join(sys.argv)}`")
     print("| gemm | MB | gap (us) | prefetch | GEMM (us) | prefetch launch (us) | spin (us) |")
     print("|---|---|---|---|---|---|---|")
     key = jax.random.PRNGKey(0)
-    for name in a.gemms.split(","):
+    for index, name in enumerate(a.gemms.split(",")):
         n, k, gated = shapes[name]
-        ks = jax.random.split(jax.random.fold_in(key, hash(name) % 1000), 5)
+        ks = jax.random.split(jax.random.fold_in(key, index), 5)
         w = cases.random_weight("fp8", ks[0], ks[1], 1, n, k)
         up = cases.random_weight("fp8", ks[2], ks[3], 1, n, k) if gated else None
         x = cases.token_inputs(ks[4], 1, k)
