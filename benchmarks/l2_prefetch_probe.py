@@ -2,8 +2,8 @@
 
     source .device/setup.sh && python3 benchmarks/l2_prefetch_probe.py [--gaps 0,5,20,40]
 
-Measured (docs/performance.md, "L2 prefetch before a GEMM"): it does not -- the prefetch
-launch lasts as long as its bytes take to arrive, and the GEMM after it is no faster.
+Measured (docs/performance.md, seventeenth session's decode section): it does not -- the
+prefetch launch holds the stream for 6-11 us per 33.6 MB, and the GEMM after it is no faster.
 
 One jitted loop of ``--iters`` iterations, each: write a 256 MiB buffer (the L2 holds none of
 the weight afterwards), [prefetch the weight's bytes into the L2], spin ``gap`` us on one CTA
