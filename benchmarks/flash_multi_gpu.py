@@ -218,8 +218,9 @@ def main():
         memory_after_generate=device_memory())
 
 
+# "psum": XLA names its one-shot all-reduce kernel (a fusion) after the psum it implements.
 COLLECTIVE_NAMES = ("nccl", "all-to-all", "all_to_all", "all-gather", "all_gather",
-                    "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce")
+                    "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce", "psum")
 
 
 def kernel_group(name: str) -> str:
@@ -230,6 +231,16 @@ def kernel_group(name: str) -> str:
     if "kernel_cutlass" in name:
         return next((label for key, label in figures.CUTE_KERNELS if key in name), "other CuTe")
     return "XLA fusions, copies"
+
+
+def per_device_split(by_device: dict, steps: int) -> dict:
+    """Per device: all kernels' and the collectives' device us per step (``by_device`` from
+    ``step_figures.trace_device_ops``)."""
+    return {device: {"all": round(sum(c.values()) / steps, 1),
+                     "collectives": round(sum(v for name, v in c.items()
+                                              if kernel_group(name).startswith("collectives"))
+                                          / steps, 1)}
+            for device, c in sorted(by_device.items())}
 
 
 def decode_figures(args, cfg, mesh, params, log):
@@ -254,9 +265,9 @@ def decode_figure(args, cfg, mesh, params, log, batch, ctx):
                   compile_and_first_s=round(first_s, 1),
                   memory=device_memory())
     if args.profile:
-        samples, copies = {}, collections.Counter()
+        samples, copies, by_device = {}, collections.Counter(), {}
         device_us, launches, totals, counts = figures.generate_profile(
-            run, params, samples=samples, copies=copies)
+            run, params, samples=samples, copies=copies, by_device=by_device)
         per = (figures.PROFILE_STEPS - 1) * n_gpus      # per step and GPU
         groups = collections.Counter()
         for name, us in totals.items():
@@ -272,7 +283,9 @@ def decode_figure(args, cfg, mesh, params, log, batch, ctx):
                                                samples.get(name, {}).items()}
                                    for name, _ in totals.most_common(6)},
             copies_us_per_step_per_gpu=[(k, round(v / per, 1))
-                                        for k, v in copies.most_common(12)])
+                                        for k, v in copies.most_common(12)],
+            # Which GPU waits: a collective's kernel time includes its wait for the peers.
+            per_gpu_us_per_step=per_device_split(by_device, figures.PROFILE_STEPS - 1))
     result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS)
     name = f"decode_b{batch}_ctx{ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}"
     log(**{name: result, f"{name}_total_s": round(time.perf_counter() - t, 1)})

@@ -107,12 +107,14 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
     return statistics.median(per_step), first_s, run
 
 
-def trace_device_ops(run_once, samples: dict | None = None, copies=None):
+def trace_device_ops(run_once, samples: dict | None = None, copies=None,
+                     by_device: dict | None = None):
     """``run_once()`` under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
     given, receives the trace arguments of each name's first event (the HLO op that launched
     a kernel); ``copies`` (a ``Counter``) the total us of each copy by
-    ``"<module>/<op> <size> B"``."""
+    ``"<module>/<op> <size> B"``; ``by_device`` (a dict) a ``Counter`` of total us per op
+    name for each device (the trace's process name, e.g. ``/device:GPU:1``)."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     run_once()
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
@@ -134,6 +136,9 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None):
                 continue
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
+            if by_device is not None:
+                by_device.setdefault(names[e["pid"]], collections.Counter())[e["name"]] += \
+                    e["dur"]
             args = e.get("args", {})
             if samples is not None:
                 samples.setdefault(e["name"], args)
@@ -144,11 +149,11 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None):
 
 
 def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None,
-                     copies=None):
+                     copies=None, by_device: dict | None = None):
     """Device us per step, launches per step and the op table of a ``steps``-step loop
-    (``samples``, ``copies``: as ``trace_device_ops``)."""
+    (``samples``, ``copies``, ``by_device``: as ``trace_device_ops``)."""
     totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)),
-                                      samples, copies)
+                                      samples, copies, by_device)
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
 

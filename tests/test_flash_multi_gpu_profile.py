@@ -1,0 +1,45 @@
+"""``benchmarks/flash_multi_gpu.py``'s profile grouping without a GPU: XLA's one-shot
+all-reduce kernel (named after its psum) counts as a collective, and the per-device split
+gives each device's device time and collective time per step."""
+import collections
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCH)
+
+import flash_multi_gpu  # noqa: E402
+import step_figures  # noqa: E402
+
+
+def test_the_psum_fusion_is_a_collective():
+    group = flash_multi_gpu.kernel_group
+    assert group("psum_357_0_fusion_1").startswith("collectives")
+    assert group("ncclDevKernel_AllGather_RING_LL").startswith("collectives")
+    assert group("loop_add_fusion") == "XLA fusions, copies"
+
+
+def test_the_per_device_split_of_a_trace():
+    by_device = {"/device:GPU:1": collections.Counter({"psum_1_fusion": 300.0, "gemm": 100.0}),
+                 "/device:GPU:0": collections.Counter({"psum_1_fusion": 60.0, "gemm": 140.0})}
+    split = flash_multi_gpu.per_device_split(by_device, 4)
+    assert list(split) == ["/device:GPU:0", "/device:GPU:1"]
+    assert split["/device:GPU:0"] == {"all": 50.0, "collectives": 15.0}
+    assert split["/device:GPU:1"] == {"all": 100.0, "collectives": 75.0}
+
+
+def test_trace_device_ops_splits_by_device():
+    """On the CPU backend the ops of the host threads stand in for the device streams: the
+    per-device counters add up to the totals."""
+    fn = jax.jit(lambda x: jnp.sin(x) @ x)
+    x = jnp.ones((64, 64), jnp.float32)
+    by_device = {}
+    totals, counts = step_figures.trace_device_ops(lambda: jax.block_until_ready(fn(x)),
+                                                   by_device=by_device)
+    assert sum(counts.values()) > 0 and by_device
+    merged = sum(by_device.values(), collections.Counter())
+    assert set(merged) == set(totals)
+    assert abs(sum(merged.values()) - sum(totals.values())) < 1e-6
