@@ -221,13 +221,14 @@ def main():
 # "psum": XLA names its one-shot all-reduce kernel (a fusion) after the psum it implements.
 COLLECTIVE_NAMES = ("nccl", "all-to-all", "all_to_all", "all-gather", "all_gather",
                     "reduce-scatter", "reduce_scatter", "all-reduce", "all_reduce", "psum")
+COLLECTIVES = "collectives (all-reduce, all-to-all, gathers)"      # kernel_group's label
 
 
 def kernel_group(name: str) -> str:
     """A traced kernel's group: the collectives, a CuTe kernel's op, or XLA's own kernels."""
     low = name.lower()
     if any(c in low for c in COLLECTIVE_NAMES):
-        return "collectives (all-to-all, gathers)"
+        return COLLECTIVES
     if "kernel_cutlass" in name:
         return next((label for key, label in figures.CUTE_KERNELS if key in name), "other CuTe")
     return "XLA fusions, copies"
@@ -238,7 +239,7 @@ def per_device_split(by_device: dict, steps: int) -> dict:
     ``step_figures.trace_device_ops``)."""
     return {device: {"all": round(sum(c.values()) / steps, 1),
                      "collectives": round(sum(v for name, v in c.items()
-                                              if kernel_group(name).startswith("collectives"))
+                                              if kernel_group(name) == COLLECTIVES)
                                           / steps, 1)}
             for device, c in sorted(by_device.items())}
 

@@ -31,6 +31,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases, grouped_gemm
 from dsv4_jax.ffi.cute_call import cute_call
+from decode_gemms import gemm_shapes
 from step_figures import trace_device_ops
 
 FLUSH_WORDS = 64 * 2 ** 20            # f32: 256 MiB
@@ -145,11 +146,9 @@ def main(argv=None):
     p.add_argument("--warm", action="store_true",
                    help="no buffer write: the weight stays in the L2 from the last iteration")
     a = p.parse_args(argv)
-    cfg = Config.flash(quantized=True)
-    d = cfg.dim
-    shapes = {"wo_b": (d, cfg.o_groups * cfg.o_lora_rank, False),
-              "wq_b": (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank, False),
-              "shared_w13": (cfg.moe_inter_dim, d, True)}
+    # The Flash layer's dense FP8 GEMMs of one group (decode_gemms.gemm_shapes).
+    shapes = {name: s for name, s in gemm_shapes(Config.flash(quantized=True)).items()
+              if s.groups == 1 and s.fmt == "fp8"}
     unknown = [g for g in a.gemms.split(",") if g not in shapes]
     if unknown:
         p.error(f"--gemms: {unknown} not among {sorted(shapes)}")
@@ -158,7 +157,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|")
     key = jax.random.PRNGKey(0)
     for index, name in enumerate(a.gemms.split(",")):
-        n, k, gated = shapes[name]
+        n, k, gated = shapes[name].n, shapes[name].k, shapes[name].gated
         ks = jax.random.split(jax.random.fold_in(key, index), 5)
         w = cases.random_weight("fp8", ks[0], ks[1], 1, n, k)
         up = cases.random_weight("fp8", ks[2], ks[3], 1, n, k) if gated else None
@@ -184,8 +183,8 @@ def main(argv=None):
                 run = jax.jit(lambda c: jax.lax.fori_loop(0, a.iters, body, c))
                 carry = (jnp.zeros((FLUSH_WORDS,), jnp.float32), jnp.zeros((1,), jnp.int32))
                 jax.block_until_ready(run(carry))
-                totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(carry)))
-                per = lambda key: sum(t for nm, t in totals.items() if key in nm) / a.iters
+                totals, _ = trace_device_ops(lambda: jax.block_until_ready(run(carry)))
+                per = lambda part: sum(t for nm, t in totals.items() if part in nm) / a.iters
                 print(f"| {name} | {mb:.1f} | {gap:g} | {'yes' if pf else 'no'} | "
                       f"{per('GroupedGemm'):.2f} | {per('L2Prefetch') if pf else 0:.2f} | "
                       f"{per('spin'):.2f} |", flush=True)
