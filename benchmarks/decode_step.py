@@ -28,7 +28,9 @@ values -- ``auto`` (the CuTe kernels where they apply), ``moe_experts=xla`` (the
 XLA reference, attention kernel kept: the pre-kernel model), ``xla`` (every op on its
 reference); a ``+ALGORITHM`` suffix sets the grouped GEMM's decode algorithm
 (``auto+wgmma``: the WGMMA kernel on decode tiles too); a ``/unpaired`` suffix runs the
-linears that share an input (``ffi.grouped_gemm_pair``) in a launch each. Each becomes a ``KernelPolicy``. The per-kernel breakdown profiles one
+linears that share an input (``ffi.grouped_gemm_pair``) in a launch each, ``/pdl`` the
+grouped GEMM's decode kernels as programmatic dependent launches (``GroupedGemmPolicy.pdl``).
+Each becomes a ``KernelPolicy``. The per-kernel breakdown profiles one
 step of the big stack per impl (``jax.profiler``) and lists the top device ops by total time.
 Tables go to stdout and, with ``--out``, to a markdown file.
 """
@@ -78,13 +80,18 @@ def sub_stack(params: dict, layers: int) -> dict:
             if not k.startswith("layers_") or int(k.split("_")[1]) < layers}
 
 
+# --impls variants: the grouped-GEMM policy fields they change.
+VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True}}
+
+
 def policy_of(value: str) -> KernelPolicy:
-    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/unpaired]``;
+    """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/variant]``;
     ``+algorithm`` sets the grouped GEMM's decode kernel, ``+prefill:algorithm`` its prefill
-    kernel)."""
+    kernel; ``/unpaired``: a launch per linear, ``/pdl``: the decode kernels as programmatic
+    dependent launches)."""
     value, _, variant = value.partition("/")
-    if variant not in ("", "unpaired"):
-        raise ValueError(f"--impls: {value}/{variant}: the only variant is /unpaired")
+    if variant not in VARIANTS:
+        raise ValueError(f"--impls: {value}/{variant}: the variants are {sorted(VARIANTS)}")
     value, _, algorithm = value.partition("+")
     env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
     if algorithm.startswith("prefill:"):
@@ -92,9 +99,9 @@ def policy_of(value: str) -> KernelPolicy:
     elif algorithm:
         env[ALGORITHM_ENV_VAR] = algorithm
     policy = KernelPolicy.from_environment(env)
-    if variant:           # linears that share an input in a launch each
+    if variant:
         policy = dataclasses.replace(policy, grouped_gemm=dataclasses.replace(
-            policy.grouped_gemm, pair_linears=False))
+            policy.grouped_gemm, **VARIANTS[variant]))
     return policy
 
 

@@ -51,6 +51,7 @@ import numpy as np
 
 from dsv4_jax import mesh_rules, plan, sharding
 from dsv4_jax.decoding import build_programs, run_prefill
+from dsv4_jax.ffi.policy import GroupedGemmPolicy, KernelPolicy
 from dsv4_jax.generation import plain_method
 from dsv4_jax.mesh_rules import padded_rows
 
@@ -105,7 +106,14 @@ def main():
                          "expert axis (mesh_rules.REPLICATE_MAX_ROWS; 0: always split); "
                          "with --batches a list runs each bound in turn (the last one stays "
                          "for --long-prompt)")
+    ap.add_argument("--pdl", type=lambda v: v.split(","), default=["off"],
+                    help="the grouped GEMM's decode kernels as programmatic dependent launches "
+                         "(GroupedGemmPolicy.pdl): 'on', 'off', or both ('on,off') to compare "
+                         "in one run (--batches)")
     args = ap.parse_args()
+    for value in args.pdl:
+        if value not in PDL:
+            ap.error(f"--pdl: {value!r} is not one of {sorted(PDL)}")
     if args.replicate_max_rows is not None:     # before anything is traced
         mesh_rules.REPLICATE_MAX_ROWS = args.replicate_max_rows[0]
     out_dir = os.environ.get("OUT", ".")
@@ -244,22 +252,27 @@ def per_device_split(by_device: dict, steps: int) -> dict:
             for device, c in sorted(by_device.items())}
 
 
+PDL = {"on": True, "off": False}         # --pdl values: GroupedGemmPolicy.pdl
+
+
 def decode_figures(args, cfg, mesh, params, log):
     """The generate loop per step at each of ``args.batches`` from a cache of each of
     ``args.ctx`` tokens per row; with ``args.profile`` also the traced loop's device time by
     group."""
     for ctx in args.ctx:
         for batch in args.batches:
-            decode_figure(args, cfg, mesh, params, log, batch, ctx)
+            for pdl in args.pdl:
+                decode_figure(args, cfg, mesh, params, log, batch, ctx, pdl)
 
 
-def decode_figure(args, cfg, mesh, params, log, batch, ctx):
-    """One batch and context of ``decode_figures``."""
+def decode_figure(args, cfg, mesh, params, log, batch, ctx, pdl):
+    """One batch, context and ``--pdl`` value of ``decode_figures``."""
     n_gpus = len(jax.devices())
     rows = padded_rows(mesh, batch)
     t = time.perf_counter()
     per_step, first_s, run = figures.time_generate(
-        cfg, None, params, rows, ctx, args.steps, mesh=mesh)
+        cfg, KernelPolicy(grouped_gemm=GroupedGemmPolicy(pdl=PDL[pdl])), params, rows, ctx,
+        args.steps, mesh=mesh)
     result = dict(batch=batch, rows_run=rows, ctx=ctx,
                   generate_step_ms=round(per_step * 1e3, 3),
                   tokens_per_s=round(batch / per_step, 1),
@@ -287,8 +300,8 @@ def decode_figure(args, cfg, mesh, params, log, batch, ctx):
                                         for k, v in copies.most_common(12)],
             # Which GPU waits: a collective's kernel time includes its wait for the peers.
             per_gpu_us_per_step=per_device_split(by_device, figures.PROFILE_STEPS - 1))
-    result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS)
-    name = f"decode_b{batch}_ctx{ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}"
+    result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS, pdl=pdl)
+    name = f"decode_b{batch}_ctx{ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}_pdl{pdl}"
     log(**{name: result, f"{name}_total_s": round(time.perf_counter() - t, 1)})
     del run
 

@@ -23,6 +23,8 @@ that the support check and the launches of a call share.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
            "row_schedule", "use_row_tiles", "block_schedule", "launch", "grouped_gemm_cute",
-           "pair_config", "pair_support", "grouped_gemm_pair_cute"]
+           "pair_config", "pair_support", "grouped_gemm_pair_cute", "with_constant_tiles"]
 
 _KERNEL_SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(quant.E8M0_DTYPE))
 
@@ -63,7 +65,8 @@ def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt
     policy = policy or GroupedGemmPolicy()
     return choose_config(rows, groups, fmt, decode_algorithm=policy.decode_algorithm,
                          prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
-                         k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k)
+                         k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k,
+                         pdl=policy.pdl)
 
 
 def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,
@@ -214,7 +217,7 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      ablation=config.ablation,
                      scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K),
                      token_stages=config.token_stages, paired=paired,
-                     token_stride=token_stride)
+                     token_stride=token_stride, **({"pdl": config.pdl} if config.pdl else {}))
     return y
 
 
@@ -243,6 +246,16 @@ def _tiles(rows: int, group_ids, groups: int, config: GroupedGemmSm90Config):
     return order, valid_sorted, tiles
 
 
+def with_constant_tiles(config: GroupedGemmSm90Config) -> GroupedGemmSm90Config:
+    """``config`` for a launch whose tile arrays are constants (rows in equal blocks): a
+    programmatic dependent "mma_fp8" launch may then read them and issue its first weight
+    copies before it waits for the kernel before it ("weights"); routed tiles come from
+    that kernel, so their launches keep "start"."""
+    if config.pdl == "start" and config.algorithm == "mma_fp8":
+        return dataclasses.replace(config, pdl="weights")
+    return config
+
+
 def _in_row_order(ys, order, valid_sorted, dtype):
     """Sorted rows' outputs back in row order, dropped rows 0, in ``dtype``."""
     if order is None:
@@ -269,6 +282,8 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
               else row_weights.astype(jnp.float32))
         rw = rw if order is None else jnp.where(valid_sorted, rw[order], 0.0)
     xs, x_scale = quantized_rows(x, order, config, simulate)
+    if order is None:
+        config = with_constant_tiles(config)
     ys = launch(xs, tiles, *w, weight_b=None if not gated else w_up[0],
                 scale_b=None if not gated else w_up[1], route_w=rw,
                 swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
@@ -318,6 +333,8 @@ def grouped_gemm_pair_cute(x, group_ids, w, w_next, *, simulate: bool = False,
                      for m in (w, w_next))
     order, valid_sorted, tiles = _tiles(rows, group_ids, w[0].shape[0], config)
     xs, x_scale = quantized_rows(x, order, config, simulate)
+    if order is None:
+        config = with_constant_tiles(config)
     ys = launch(xs, tiles, *w, weight_b=w_next[0], scale_b=w_next[1], x_scale=x_scale,
                 config=config, paired=True)
     ys = _in_row_order(ys, order, valid_sorted, x.dtype)

@@ -52,11 +52,17 @@ class GroupedGemmPolicy:
       that many splits (1: none).
     pair_linears: linears that share their input (``ffi.grouped_gemm_pair``) in one launch
       of the decode kernels (False: a launch each, for comparisons).
+    pdl: the decode kernels launch as programmatic dependents: each may begin while the
+      kernel before it ends, and waits for it before reading what it wrote (dense linears
+      load their first weight blocks before that wait; ``GroupedGemmSm90Config.pdl``). Off
+      by default until it is shown to shorten the two-GPU step (docs/performance.md,
+      "Programmatic dependent launch").
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
     split_k: int | None = None
     pair_linears: bool = True
+    pdl: bool = False
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm, ALGORITHMS),
@@ -70,9 +76,10 @@ class GroupedGemmPolicy:
                 or not 1 <= self.split_k <= MAX_SPLIT_K):
             raise ValueError(f"GroupedGemmPolicy: split_k must be None (automatic) or an "
                              f"integer in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
-        if not isinstance(self.pair_linears, bool):
-            raise TypeError(f"GroupedGemmPolicy: pair_linears must be a bool, got "
-                            f"{self.pair_linears!r}")
+        for name in ("pair_linears", "pdl"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GroupedGemmPolicy: {name} must be a bool, got "
+                                f"{getattr(self, name)!r}")
 
 
 def _implementation_items(value) -> tuple[tuple[str, str], ...]:

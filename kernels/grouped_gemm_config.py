@@ -29,6 +29,7 @@ WEIGHT_FORMATS = ("fp4", "fp8", "bf16")     # quant.WeightFormat names the kerne
 BLOCK_M = 64             # weight rows per math warpgroup = WGMMA M
 BLOCK_K = 128            # K elements per pipeline stage
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
+PDL_MODES = ("", "start", "weights")     # GroupedGemmSm90Config.pdl
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
 MAX_GRID_Y = 65535
@@ -134,6 +135,12 @@ class GroupedGemmSm90Config:
       quantise their tokens (``KernelSpec.quantizes_tokens``): the first
       ``token_stages - 1`` K blocks of a CTA's range are quantised before its K loop, each
       later one that many blocks ahead of its MMAs. 2 elsewhere.
+    pdl: programmatic dependent launch of the warp kernels (``choose_config(pdl=True)``):
+      "" off; "start" the launch may begin while the previous kernel ends and waits for it
+      (``griddepcontrol.wait``) before reading anything; "weights" ("mma_fp8") it issues its
+      first stages' weight and scale copies before that wait -- only where the tile arrays
+      are not written by the kernel just before (dense linears: constants). Every launch
+      lets the next one begin at its own start (``griddepcontrol.launch_dependents``).
     """
     block_n: int = 8
     num_stages: int = 8
@@ -141,6 +148,7 @@ class GroupedGemmSm90Config:
     split_k: int = 1
     ablation: str = ""
     token_stages: int = FP8_TOKEN_BUFFERS
+    pdl: str = ""
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -169,6 +177,11 @@ class GroupedGemmSm90Config:
                              f"{MAX_TOKEN_STAGES}], and {FP8_TOKEN_BUFFERS} unless the "
                              f"algorithm quantises its tokens; got {self.token_stages} with "
                              f"{self.algorithm!r}")
+        if self.pdl not in PDL_MODES or (self.pdl and spec.tiles != "decode") or (
+                self.pdl == "weights" and self.algorithm != "mma_fp8"):
+            raise ValueError(f"GroupedGemmSm90Config: pdl must be one of {PDL_MODES} "
+                             f"(a warp kernel's; 'weights' with 'mma_fp8' only), got "
+                             f"{self.pdl!r} with {self.algorithm!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -462,7 +475,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
                   fp8_activations: bool = True, k_ins: tuple[int, ...] = (),
                   n_outs: tuple[int, ...] = (),
-                  split_k: int | None = 1) -> GroupedGemmSm90Config:
+                  split_k: int | None = 1, pdl: bool = False) -> GroupedGemmSm90Config:
     """The one config both launches of a call use (the op checks support with it too).
 
     Decode tiles (8 rows) while the average group holds at most ``WARP_ROWS_PER_EXPERT``
@@ -479,7 +492,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     Warp kernels: for at most 2 tiles of rows, K split ``split_k`` ways (None:
     ``auto_split_k``) with ``SPLIT_STAGES`` stages when it splits, else
     ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages;
-    fewer while two CTAs would not fit in an SM."""
+    fewer while two CTAs would not fit in an SM. ``pdl``: warp kernels launch as programmatic
+    dependents ("start"; the launch upgrades it to "weights" where it may,
+    ``GroupedGemmSm90Config.pdl``)."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
@@ -510,7 +525,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-        return config
+        return dataclasses.replace(config, pdl="start") if pdl else config
     algorithm = decode_algorithm if decode else prefill_algorithm
     if algorithm == "wgmma_coop" and (weight_format not in KERNELS[algorithm].weight_formats
                                       or any(n % COOP_ROWS for n in n_outs)):

@@ -35,7 +35,7 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           scale_group: cutlass.Constexpr = 1,
                           token_stages: cutlass.Constexpr = 2,
                           paired: cutlass.Constexpr = False,
-                          token_stride: cutlass.Constexpr = 1):
+                          token_stride: cutlass.Constexpr = 1, pdl: cutlass.Constexpr = ""):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -47,10 +47,11 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     [rows, N] (a K split adds its sums in the kernel: one cluster per tile). ``paired``
     (the warp kernels, ungated): ``w_b``, ``s_b`` are a second weight of the same rows and
     format, whose outputs follow ``w_a``'s: ``out`` is [rows, N_a + N_b]. ``token_stride``
-    ("mma_fp8"): tile row r reads row (row0 + r) / token_stride of ``x``."""
+    ("mma_fp8"): tile row r reads row (row0 + r) / token_stride of ``x``. ``pdl``: the warp
+    kernels' programmatic dependent launch (``GroupedGemmSm90Config.pdl``)."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation,
-                                   token_stages=token_stages)
+                                   token_stages=token_stages, pdl=pdl)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
     # Only the warp kernels take pairs, only "mma_fp8" a token stride.
     extra = ({"paired": True} if paired else {}) | (

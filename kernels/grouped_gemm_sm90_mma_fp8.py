@@ -94,6 +94,10 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         (``quantizing_warp``). Warps without a pair in a pass skip it (whole warps: their
         shuffles); a half warp without one shuffles its warp's first pair and stores
         nothing."""
+        if const_expr(self.pdl == "weights"):
+            # The first stages' weight and scale copies are issued: now wait for the kernel
+            # before, which writes the token rows.
+            cute.arch.griddepcontrol_wait()
         ahead = self.token_stages - 1
         blocks = kb1 - kb0
         if blocks > ahead:

@@ -93,6 +93,7 @@ class GroupedGemmMmaSyncSm90:
         self.num_stages = config.num_stages
         self.leaves_out = config.leaves_out
         self.split_k = config.split_k
+        self.pdl = config.pdl
         self.row_bytes = ROW_BYTES[weight_format]
         self.lane_bytes = self.row_bytes // 4          # per row and K block, per lane
         self.chunks = self.lane_bytes // 16            # 16 B cp.async per row
@@ -134,7 +135,7 @@ class GroupedGemmMmaSyncSm90:
         # The splits of a tile are one cluster: they add their sums in shared memory.
         clustered = self.split_k > 1 and not self.leaves_out("no_cluster")
         launch(launched, grid, NUM_THREADS, [1, 1, self.split_k] if clustered else None,
-               stream)
+               stream, use_pdl=bool(self.pdl))
 
     # ---------------------------------------------------------------- device
     @cute.kernel
@@ -143,6 +144,12 @@ class GroupedGemmMmaSyncSm90:
                mSb: cute.Tensor, mRw: cute.Tensor, mXs: cute.Tensor, mOut: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
         m_tile, slot, split = cute.arch.block_idx()
+        if const_expr(self.pdl):
+            # The next launch may begin now (it waits for this one before its reads); "start":
+            # this one waits for the previous kernel before reading anything.
+            cute.arch.griddepcontrol_launch_dependents()
+            if const_expr(self.pdl == "start"):
+                cute.arch.griddepcontrol_wait()
         expert = mTileExpert[slot]
         if expert >= mWa.shape[0]:
             expert = Int32(-1)          # ids outside [0, G) are dropped, like -1

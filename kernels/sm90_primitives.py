@@ -27,13 +27,17 @@ def _f32x4(args: list, text: str, constraints: str, side_effects: bool, loc, ip)
     return _results(Float32, 4, args, text, constraints, side_effects, loc, ip)
 
 
-def launch(launched, grid: list, threads: int, cluster: list | None, stream) -> None:
+def launch(launched, grid: list, threads: int, cluster: list | None, stream,
+           use_pdl: bool = False) -> None:
     """Launch a ``cute.kernel`` call on ``grid`` x ``threads``, as clusters of ``cluster``
-    CTAs when given (None: no cluster launch)."""
+    CTAs when given (None: no cluster launch); ``use_pdl``: as a programmatic dependent
+    launch (it may begin before the previous kernel ends; the kernel waits for it with
+    ``griddepcontrol.wait``)."""
     if cluster is None:
-        launched.launch(grid=grid, block=[threads, 1, 1], stream=stream)
+        launched.launch(grid=grid, block=[threads, 1, 1], stream=stream, use_pdl=use_pdl)
     else:
-        launched.launch(grid=grid, block=[threads, 1, 1], cluster=cluster, stream=stream)
+        launched.launch(grid=grid, block=[threads, 1, 1], cluster=cluster, stream=stream,
+                        use_pdl=use_pdl)
 
 
 def warp_reduce_scatter(values: list, lane: Int32) -> list:

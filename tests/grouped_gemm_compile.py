@@ -54,7 +54,8 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         block_n=config.block_n, num_stages=config.num_stages,
                         algorithm=config.algorithm, ablation=config.ablation,
                         scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
-                        split_k=config.split_k, token_stages=config.token_stages)
+                        split_k=config.split_k, token_stages=config.token_stages,
+                        **({"pdl": config.pdl} if config.pdl else {}))
 
 
 def ptxas_log(tmp_path, compiled) -> str:
