@@ -18,7 +18,7 @@ from dsv4_jax.ffi import cases
 from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
 from dsv4_jax.ffi.grouped_gemm import grouped_gemm, grouped_gemm_pair
 from dsv4_jax.ffi.moe import moe_experts
-from dsv4_jax.ffi.policy import GroupedGemmPolicy
+from dsv4_jax.ffi.policy import GroupedGemmPolicy, KernelPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
 
 pytest.importorskip("cutlass")
@@ -53,6 +53,32 @@ def test_the_policy_gives_each_launch_its_mode(pdl):
     assert (dense.pdl, routed.pdl, wo_a.pdl) == (want, want, want)
     assert gemm.with_constant_tiles(dense).pdl == ("weights" if pdl else "")
     assert gemm.with_constant_tiles(wo_a).pdl == want       # "mma_sync" reads no weights early
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_the_models_decode_launches_take_their_modes(monkeypatch, pdl):
+    """The decode step lowered for Hopper (this CPU machine): under ``pdl=True`` the dense
+    FP8 linears (one group, constant tiles) launch "weights", the grouped ``wo_a``
+    ("mma_sync") and the routed experts "start"; under ``pdl=False`` every launch is plain."""
+    import test_decode_lowering as lowering
+    launched = []
+    original = gemm.launch
+
+    def record(xs, tiles, weight, scale, **kw):
+        launched.append((weight.shape[0], kw["config"].algorithm, kw["config"].pdl))
+        return original(xs, tiles, weight, scale, **kw)
+
+    monkeypatch.setattr(gemm, "launch", record)
+    lowering._lower(KernelPolicy(grouped_gemm=GroupedGemmPolicy(pdl=pdl)))
+    experts = lowering.CFG.n_routed_experts
+    assert {groups for groups, _, _ in launched} == {1, lowering.CFG.o_groups, experts}
+    for groups, algorithm, mode in launched:
+        if not pdl:
+            assert mode == ""
+        elif groups == 1 and algorithm == "mma_fp8":
+            assert mode == "weights"
+        else:
+            assert mode == "start", (groups, algorithm, mode)
 
 
 def test_pdl_must_be_a_bool():

@@ -88,3 +88,23 @@ def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantize
     else:
         rel = np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
         assert np.median(rel) < 1e-2 and np.mean(a.argmax(-1) == b.argmax(-1)) > 0.95
+
+
+@pytest.mark.gpu
+def test_programmatic_dependent_launches_give_the_plain_launches_logits():
+    """``GroupedGemmPolicy(pdl=True)``: the decode GEMMs begin while the kernel before them
+    (a GEMM, the mHC pre, the router) ends and wait for it before reading its outputs; the
+    prefill and decode logits equal those of plain launches bit for bit."""
+    # Every FP8 linear within the grouped GEMM's limits (tests/test_decode_lowering.py).
+    cfg = dj.Config.tiny(quantized=True, dim=512, q_lora_rank=512, moe_inter_dim=512,
+                         o_lora_rank=256)
+    params = dj.init_params(cfg, 0)
+    toks = jax.random.randint(jax.random.key(2), (2, 40), 0, cfg.vocab_size)
+    out = {}
+    for pdl in (True, False):
+        policy = dj.KernelPolicy(grouped_gemm=dj.GroupedGemmPolicy(pdl=pdl))
+        model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
+        out[pdl], hlo = prefill_then_decode(model, params, toks, 32, 64)
+        assert "CuteDSLRT_NvJaxCutlassCall" in hlo
+    assert np.all(np.isfinite(out[True]))
+    np.testing.assert_array_equal(out[True], out[False])
