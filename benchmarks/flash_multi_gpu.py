@@ -106,10 +106,15 @@ def main():
                          "expert axis (mesh_rules.REPLICATE_MAX_ROWS; 0: always split); "
                          "with --batches a list runs each bound in turn (the last one stays "
                          "for --long-prompt)")
-    ap.add_argument("--pdl", type=lambda v: v.split(","), default=["off"],
+    ap.add_argument("--pdl", type=lambda v: list(dict.fromkeys(v.split(","))),
+                    default=["off"],
                     help="the grouped GEMM's decode kernels as programmatic dependent launches "
-                         "(GroupedGemmPolicy.pdl): 'on', 'off', or both ('on,off') to compare "
-                         "in one run (--batches)")
+                         "(GroupedGemmPolicy.pdl): 'on', 'off', or both ('on,off'): with "
+                         "--batches both loops are compiled and timed in turn, repeat by "
+                         "repeat")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="--batches: timings per loop (two budgets each); the median is "
+                         "reported, and every repeat")
     args = ap.parse_args()
     for value in args.pdl:
         if value not in PDL:
@@ -261,20 +266,26 @@ def decode_figures(args, cfg, mesh, params, log):
     group."""
     for ctx in args.ctx:
         for batch in args.batches:
-            for pdl in args.pdl:
-                decode_figure(args, cfg, mesh, params, log, batch, ctx, pdl)
+            rows = padded_rows(mesh, batch)
+            t = time.perf_counter()
+            runs = {pdl: figures.generate_loop(
+                cfg, KernelPolicy(grouped_gemm=GroupedGemmPolicy(pdl=PDL[pdl])), rows, ctx,
+                args.steps, mesh=mesh) for pdl in args.pdl}
+            timed = figures.time_interleaved(runs, params, rows, args.steps, args.repeats)
+            for pdl, run in runs.items():
+                decode_figure(args, params, log, batch, rows, ctx, pdl, run, timed[pdl], t)
+            del runs
 
 
-def decode_figure(args, cfg, mesh, params, log, batch, ctx, pdl):
-    """One batch, context and ``--pdl`` value of ``decode_figures``."""
+def decode_figure(args, params, log, batch, rows, ctx, pdl, run, timed, t):
+    """One batch, context and ``--pdl`` value of ``decode_figures``: its timing (``timed``,
+    ``step_figures.time_interleaved``'s entry for ``run``; the loops of every ``--pdl``
+    value timed in turn) and, with ``--profile``, its traced loop."""
     n_gpus = len(jax.devices())
-    rows = padded_rows(mesh, batch)
-    t = time.perf_counter()
-    per_step, first_s, run = figures.time_generate(
-        cfg, KernelPolicy(grouped_gemm=GroupedGemmPolicy(pdl=PDL[pdl])), params, rows, ctx,
-        args.steps, mesh=mesh)
+    (per_step, samples_s), first_s = timed
     result = dict(batch=batch, rows_run=rows, ctx=ctx,
                   generate_step_ms=round(per_step * 1e3, 3),
+                  generate_step_ms_each_repeat=[round(v * 1e3, 3) for v in samples_s],
                   tokens_per_s=round(batch / per_step, 1),
                   compile_and_first_s=round(first_s, 1),
                   memory=device_memory())
@@ -303,7 +314,6 @@ def decode_figure(args, cfg, mesh, params, log, batch, ctx, pdl):
     result.update(replicate_max_rows=mesh_rules.REPLICATE_MAX_ROWS, pdl=pdl)
     name = f"decode_b{batch}_ctx{ctx}_r{mesh_rules.REPLICATE_MAX_ROWS}_pdl{pdl}"
     log(**{name: result, f"{name}_total_s": round(time.perf_counter() - t, 1)})
-    del run
 
 
 def long_prompt(args, cfg, mesh, params, log):

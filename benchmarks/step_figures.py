@@ -91,20 +91,33 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
     two-budget difference; one token per step without speculation) and the compile +
     first-run seconds."""
     run = generate_loop(cfg, policy, batch, ctx, steps, speculative, kv_dtype, mesh)
+    (per_step, _), first_s = time_interleaved({"": run}, params, batch, steps, repeats)[""]
+    return per_step, first_s, run
+
+
+def time_interleaved(runs: dict, params, batch: int, steps: int, repeats: int = 3) -> dict:
+    """``{name: ((median s per step, [s per step of each repeat]), compile + first-run s)}``
+    of generate loops ``runs`` (``generate_loop``'s ``run(params, budget)``, ``batch`` rows
+    each): every repeat times each run's short and long budget in turn, so a drift of the
+    machine (clocks, a neighbour) falls on all of them alike; per step = the two budgets'
+    difference over their step counts."""
     short = max(2, steps // 4)
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(run(params, steps))
-    first_s = time.perf_counter() - t0
-    assert int(jnp.sum(out >= 0)) == batch * steps, "a row stopped before its budget"
-    per_step = []
+    first = {}
+    for name, run in runs.items():
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(run(params, steps))
+        first[name] = time.perf_counter() - t0
+        assert int(jnp.sum(out >= 0)) == batch * steps, "a row stopped before its budget"
+    per_step = {name: [] for name in runs}
     for _ in range(repeats):
-        times = {}
-        for budget in (short, steps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(params, budget))
-            times[budget] = time.perf_counter() - t0
-        per_step.append((times[steps] - times[short]) / (steps - short))
-    return statistics.median(per_step), first_s, run
+        for name, run in runs.items():
+            times = {}
+            for budget in (short, steps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(run(params, budget))
+                times[budget] = time.perf_counter() - t0
+            per_step[name].append((times[steps] - times[short]) / (steps - short))
+    return {name: ((statistics.median(v), v), first[name]) for name, v in per_step.items()}
 
 
 def trace_device_ops(run_once, samples: dict | None = None, copies=None,

@@ -3,8 +3,11 @@ all-reduce kernel (named after its psum) counts as a collective, and the per-dev
 gives each device's device time and collective time per step."""
 import collections
 import os
+import statistics
 import sys
+import time
 
+import numpy as np
 import jax
 import jax.numpy as jnp
 
@@ -43,3 +46,27 @@ def test_trace_device_ops_splits_by_device():
     merged = sum(by_device.values(), collections.Counter())
     assert set(merged) == set(totals)
     assert abs(sum(merged.values()) - sum(totals.values())) < 1e-6
+
+
+def test_loops_are_timed_in_turn_and_each_repeat_is_kept():
+    """``step_figures.time_interleaved``: every repeat times each loop's short and long
+    budget before the next repeat, and the per-step figure is their difference over their
+    step counts."""
+    calls = []
+
+    def fake_loop(name, step_s):
+        def run(params, budget):
+            calls.append((name, budget))
+            time.sleep(budget * step_s)
+            return np.zeros((2, budget), np.int32)
+        return run
+
+    runs = {"on": fake_loop("on", 0.005), "off": fake_loop("off", 0.010)}
+    timed = step_figures.time_interleaved(runs, None, 2, 8, repeats=2)
+    assert calls == [("on", 8), ("off", 8)] + [("on", 2), ("on", 8), ("off", 2),
+                                               ("off", 8)] * 2
+    for name, step_s in (("on", 0.005), ("off", 0.010)):
+        (median, each), first_s = timed[name]
+        assert len(each) == 2 and median == statistics.median(each)
+        # sleeps only overshoot, by far less than a step, on a busy machine too
+        assert step_s * 0.5 < median < step_s * 3 and first_s >= 8 * step_s
