@@ -230,25 +230,33 @@ def run_generate(args, base, params_big, out):
              f"floor/layer (ms) | of floor | wall L={big} (ms) | device L={big} (ms) | "
              f"launches L={big} | bytes L={big} (MB) | floor L={big} (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keep = {}
-    for impl in args.impls:
-        policy = policy_of(impl)
-        for ctx in args.ctxs:
-            for batch in args.batches:
+    keep, table = {}, {}
+    for ctx in args.ctxs:
+        for batch in args.batches:
+            # Every impl's two stacks are compiled first and then timed in turn, repeat by
+            # repeat, so that a drift of the machine falls on all of them alike.
+            runs, params = {}, {}
+            for impl in args.impls:
+                for layers in (small, big):
+                    params[layers] = sub_stack(params_big, layers)
+                    runs[impl, layers] = figures.generate_loop(
+                        stack_config(base, layers), policy_of(impl), batch, ctx, args.steps)
+            timed = figures.time_interleaved(
+                {key: (lambda budget, run=run, p=params[key[1]]: run(p, budget))
+                 for key, run in runs.items()}, batch, args.steps)
+            for impl in args.impls:
                 fig = {}
                 for layers in (small, big):
-                    cfg = stack_config(base, layers)
-                    params = sub_stack(params_big, layers)
-                    wall, first_s, run = figures.time_generate(cfg, policy, params, batch, ctx,
-                                                               args.steps)
-                    dev_us, launches, totals, counts = figures.generate_profile(run, params)
+                    run, (wall, _), first_s = runs[impl, layers], *timed[impl, layers]
+                    dev_us, launches, totals, counts = figures.generate_profile(
+                        run, params[layers])
                     fig[layers] = (wall, dev_us / 1e6, launches)
                     print(f"generate {impl} ctx={ctx} batch={batch} L={layers}: wall "
                           f"{wall * 1e3:.3f} ms/step, device {dev_us / 1e3:.3f} ms/step, "
                           f"{launches:.0f} launches/step (compile+first {first_s:.0f} s)",
                           flush=True)
                     if layers == big and batch in args.attribute_batches and ctx == args.ctxs[0]:
-                        hlo = run.hlo(params)
+                        hlo = run.hlo(params[layers])
                         rows = figures.attribute(totals, counts, hlo, figures.PROFILE_STEPS - 1)
                         if args.out:
                             figures.write_op_table(
@@ -260,17 +268,19 @@ def run_generate(args, base, params_big, out):
                         print(out[-1], flush=True)
                     if layers == big and batch == args.profile_batch and ctx == args.ctxs[0]:
                         keep[impl] = (totals, counts, fig[big][0])
-                    del run
                 cfg_big = stack_config(base, big)
                 bytes_big = figures.step_bytes(cfg_big, range(big), batch, ctx)
                 bytes_per = figures.step_bytes(cfg_big, range(small, big), batch, ctx) / n
                 floor_per = bytes_per / figures.HBM_BYTES_PER_S
                 per = [(fig[big][i] - fig[small][i]) / n for i in range(3)]
-                lines.append(
+                table[impl, ctx, batch] = (
                     f"| {impl} | {ctx} | {batch} | {per[0] * 1e3:.3f} | {per[1] * 1e3:.3f} | "
                     f"{per[2]:.0f} | {floor_per * 1e3:.3f} | {floor_per / max(per[0], 1e-12):.0%}"
                     f" | {fig[big][0] * 1e3:.2f} | {fig[big][1] * 1e3:.2f} | {fig[big][2]:.0f} | "
                     f"{bytes_big / 1e6:.0f} | {bytes_big / figures.HBM_BYTES_PER_S * 1e3:.3f} |")
+            del runs
+    lines += [table[impl, ctx, batch] for impl in args.impls for ctx in args.ctxs
+              for batch in args.batches]
     out.append("\n".join(lines))
     print(out[-1], flush=True)
     if args.speculative:

@@ -91,21 +91,22 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
     two-budget difference; one token per step without speculation) and the compile +
     first-run seconds."""
     run = generate_loop(cfg, policy, batch, ctx, steps, speculative, kv_dtype, mesh)
-    (per_step, _), first_s = time_interleaved({"": run}, params, batch, steps, repeats)[""]
+    (per_step, _), first_s = time_interleaved({"": lambda budget: run(params, budget)}, batch,
+                                              steps, repeats)[""]
     return per_step, first_s, run
 
 
-def time_interleaved(runs: dict, params, batch: int, steps: int, repeats: int = 3) -> dict:
+def time_interleaved(runs: dict, batch: int, steps: int, repeats: int = 3) -> dict:
     """``{name: ((median s per step, [s per step of each repeat]), compile + first-run s)}``
-    of generate loops ``runs`` (``generate_loop``'s ``run(params, budget)``, ``batch`` rows
-    each): every repeat times each run's short and long budget in turn, so a drift of the
-    machine (clocks, a neighbour) falls on all of them alike; per step = the two budgets'
-    difference over their step counts."""
+    of generate loops ``runs`` (``run(budget)``: ``generate_loop``'s run with its parameters
+    bound; ``batch`` rows each): every repeat times each run's short and long budget in
+    turn, so a drift of the machine (clocks, a neighbour) falls on all of them alike; per
+    step = the two budgets' difference over their step counts."""
     short = max(2, steps // 4)
     first = {}
     for name, run in runs.items():
         t0 = time.perf_counter()
-        out = jax.block_until_ready(run(params, steps))
+        out = jax.block_until_ready(run(steps))
         first[name] = time.perf_counter() - t0
         assert int(jnp.sum(out >= 0)) == batch * steps, "a row stopped before its budget"
     per_step = {name: [] for name in runs}
@@ -114,7 +115,7 @@ def time_interleaved(runs: dict, params, batch: int, steps: int, repeats: int = 
             times = {}
             for budget in (short, steps):
                 t0 = time.perf_counter()
-                jax.block_until_ready(run(params, budget))
+                jax.block_until_ready(run(budget))
                 times[budget] = time.perf_counter() - t0
             per_step[name].append((times[steps] - times[short]) / (steps - short))
     return {name: ((statistics.median(v), v), first[name]) for name, v in per_step.items()}

@@ -55,14 +55,14 @@ def test_loops_are_timed_in_turn_and_each_repeat_is_kept():
     calls = []
 
     def fake_loop(name, step_s):
-        def run(params, budget):
+        def run(budget):
             calls.append((name, budget))
             time.sleep(budget * step_s)
             return np.zeros((2, budget), np.int32)
         return run
 
     runs = {"on": fake_loop("on", 0.005), "off": fake_loop("off", 0.010)}
-    timed = step_figures.time_interleaved(runs, None, 2, 8, repeats=2)
+    timed = step_figures.time_interleaved(runs, 2, 8, repeats=2)
     assert calls == [("on", 8), ("off", 8)] + [("on", 2), ("on", 8), ("off", 2),
                                                ("off", 8)] * 2
     for name, step_s in (("on", 0.005), ("off", 0.010)):
