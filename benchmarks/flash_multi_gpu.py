@@ -306,9 +306,11 @@ def decode_figure(args, params, log, batch, rows, ctx, pdl, run, timed, t):
             top_kernels_us_per_step_per_gpu=[
                 (name[:90], round(us / per, 1), round(counts[name] / per, 2))
                 for name, us in totals.most_common(16)],
-            top_kernel_trace_args={name[:90]: {k: str(v)[:160] for k, v in
+            # The HLO op behind each of the top kernels: which XLA fusion (a concatenate, a
+            # copy) is which line of the model.
+            top_kernel_trace_args={name[:90]: {k: str(v)[:240] for k, v in
                                                samples.get(name, {}).items()}
-                                   for name, _ in totals.most_common(6)},
+                                   for name, _ in totals.most_common(16)},
             copies_us_per_step_per_gpu=[(k, round(v / per, 1))
                                         for k, v in copies.most_common(12)],
             # Which GPU waits: a collective's kernel time includes its wait for the peers.
