@@ -119,6 +119,8 @@ def main():
     for value in args.pdl:
         if value not in PDL:
             ap.error(f"--pdl: {value!r} is not one of {sorted(PDL)}")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.replicate_max_rows is not None:     # before anything is traced
         mesh_rules.REPLICATE_MAX_ROWS = args.replicate_max_rows[0]
     out_dir = os.environ.get("OUT", ".")

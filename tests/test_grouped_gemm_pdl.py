@@ -14,6 +14,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
 from dsv4_jax.ffi.grouped_gemm import grouped_gemm, grouped_gemm_pair
@@ -23,6 +24,11 @@ from dsv4_jax.kernels import grouped_gemm_config as support
 
 pytest.importorskip("cutlass")
 from grouped_gemm_compile import compile_variant  # noqa: E402
+import test_decode_lowering as lowering  # noqa: E402  (its config and lowering of a step)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import pdl_probe  # noqa: E402
 
 BASE = support.GroupedGemmSm90Config(block_n=8, num_stages=3, algorithm="mma_fp8", split_k=8)
 
@@ -60,7 +66,6 @@ def test_the_models_decode_launches_take_their_modes(monkeypatch, pdl):
     """The decode step lowered for Hopper (this CPU machine): under ``pdl=True`` the dense
     FP8 linears (one group, constant tiles) launch "weights", the grouped ``wo_a``
     ("mma_sync") and the routed experts "start"; under ``pdl=False`` every launch is plain."""
-    import test_decode_lowering as lowering
     launched = []
     original = gemm.launch
 
@@ -113,13 +118,6 @@ def test_the_build_waits_for_the_previous_kernel_where_its_mode_says(split_k):
 
 
 def test_the_probe_lowers_a_pair_of_launches():
-    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         "benchmarks")
-    sys.path.insert(0, bench)
-    import jax
-    import jax.numpy as jnp
-    import pdl_probe
-    from dsv4_jax.config import Config
     (n1, k1, gated), (n2, k2) = pdl_probe.pairs(Config.flash(quantized=True))["shared"]
     first, c1 = pdl_probe.launch_fn(1, n1, k1, gated, "weights")
     second, c2 = pdl_probe.launch_fn(1, n2, k2, False, "weights")
