@@ -30,16 +30,18 @@ from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
 from dsv4_jax.kernels.grouped_gemm_config import PDL_MODES
+from decode_gemms import gemm_shapes
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, median_seconds
 
 
 def pairs(cfg: Config) -> dict:
     """``name: ((n, k, gated) of the first launch, (n, k) of the second)``; the second reads
-    the first's output."""
-    d, inter = cfg.dim, cfg.moe_inter_dim
-    return {"shared": ((inter, d, True), (d, inter)),
-            "wq": ((cfg.q_lora_rank, d, False), (cfg.n_heads * cfg.head_dim, cfg.q_lora_rank))}
+    the first's output (the shapes of ``decode_gemms.gemm_shapes``)."""
+    shapes = gemm_shapes(cfg)
+    return {name: ((shapes[a].n, shapes[a].k, shapes[a].gated), (shapes[b].n, shapes[b].k))
+            for name, (a, b) in (("shared", ("shared_w13", "shared_w2")),
+                                 ("wq", ("wq_a", "wq_b")))}
 
 
 def launch_fn(tokens: int, n: int, k: int, gated: bool, pdl: str):
