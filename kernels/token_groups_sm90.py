@@ -19,7 +19,12 @@ class TokenGroupKernel:
     def start(self):
         """The kernel's opening, at trace time: ``(tidx, rank, warp, lane, t0, storage,
         sums)`` -- the CTA's rank in its cluster (grid x), the group's first token, the shared
-        storage and the zeroed register sums."""
+        storage and the zeroed register sums; the next launch may begin (PDL)."""
+        # A programmatic dependent launch after this one (the grouped GEMM's decode kernels
+        # under GroupedGemmPolicy(pdl=True)) may begin now: it issues its weight copies and
+        # then waits for this kernel to finish before it reads anything this kernel writes.
+        # Other launches start when this kernel ends, as without it.
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         rank, group, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)

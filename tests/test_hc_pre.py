@@ -193,6 +193,7 @@ def test_kernel_compiles_for_sm90a(dim, tokens):
     tb = min(tokens, 4)
     passes = -(-(N * dim // 8 // 4) // 256)
     assert ".target sm_90a" in ptx and ".local" not in ptx
+    assert ptx.count("griddepcontrol.launch_dependents") == 1   # at its start (PDL)
     assert ptx.count("ld.global.nc.L1::no_allocate.v4.f32") == passes * (2 + N) * N
     padded = -(-tb * ((2 + N) * N + 1) // 32) * 32
     # Reduce-scatter: padded / 2 + padded / 4 + ... over five lane bits; then 5 per token

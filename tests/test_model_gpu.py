@@ -93,7 +93,7 @@ def test_the_indexer_kernel_in_the_model_selects_the_references_entries(quantize
 @pytest.mark.gpu
 def test_programmatic_dependent_launches_give_the_plain_launches_logits():
     """``GroupedGemmPolicy(pdl=True)``: the decode GEMMs begin while the kernel before them
-    (a GEMM) ends and wait for it before reading its outputs; the
+    (a GEMM, the mHC pre, the router) ends and wait for it before reading its outputs; the
     prefill and decode logits equal those of plain launches bit for bit."""
     # Every FP8 linear within the grouped GEMM's limits (tests/test_decode_lowering.py).
     cfg = dj.Config.tiny(quantized=True, dim=512, q_lora_rank=512, moe_inter_dim=512,

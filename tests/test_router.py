@@ -196,6 +196,7 @@ def test_kernel_compiles_for_sm90a(experts, dim, tokens, score_func, hashed):
     tb, per_cta = config.tokens_for(tokens), experts // config.cluster
     passes = -(-(dim // 8) // 256)
     assert ".target sm_90a" in ptx and ".local" not in ptx
+    assert ptx.count("griddepcontrol.launch_dependents") == 1   # at its start (PDL)
     assert ptx.count("ld.global.nc.L1::no_allocate.v4.b32") == passes * (per_cta + tb)
     padded = -(-tb * per_cta // 32) * 32
     softmax = 10 if score_func == "softmax" else 0      # the row's max and sum
