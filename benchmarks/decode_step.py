@@ -242,7 +242,7 @@ def run_generate(args, base, params_big, out):
                     runs[impl, layers] = figures.generate_loop(
                         stack_config(base, layers), policy_of(impl), batch, ctx, args.steps)
             timed = figures.time_interleaved(
-                {key: (lambda budget, run=run, p=params[key[1]]: run(p, budget))
+                {key: (lambda budget, run=run, p=params[key[1]]: run.prepare(p, budget))
                  for key, run in runs.items()}, batch, args.steps)
             for impl in args.impls:
                 fig = {}

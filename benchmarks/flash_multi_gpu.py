@@ -274,7 +274,8 @@ def decode_figures(args, cfg, mesh, params, log):
                 cfg, KernelPolicy(grouped_gemm=GroupedGemmPolicy(pdl=PDL[pdl])), rows, ctx,
                 args.steps, mesh=mesh) for pdl in args.pdl}
             timed = figures.time_interleaved(
-                {pdl: (lambda budget, run=run: run(params, budget)) for pdl, run in runs.items()},
+                {pdl: (lambda budget, run=run: run.prepare(params, budget))
+                 for pdl, run in runs.items()},
                 rows, args.steps, args.repeats)
             for pdl, run in runs.items():
                 decode_figure(args, params, log, batch, rows, ctx, pdl, run, timed[pdl], t)

@@ -55,7 +55,9 @@ def filled_cache(cfg, batch: int, ctx: int, max_len: int, kv_dtype: str | None =
 def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bool = False,
                   kv_dtype: str | None = None, mesh=None):
     """The jitted ``loop`` program of ``dj.generate`` and its arguments on a filled cache:
-    ``run(params, budget)``; ``run.hlo(params)`` is the compiled program's HLO text.
+    ``run(params, budget)``; ``run.prepare(params, budget)`` makes the arguments (the cache,
+    a device allocation) and returns ``go()``, the loop alone, so that timings and traces
+    leave them out; ``run.hlo(params)`` is the compiled program's HLO text.
     ``speculative``: MTP drafting (``speculative_method``; its state comes from a one-token
     prefill on the filled cache). ``mesh``: the model and cache on a device mesh (``batch``
     one the mesh splits evenly, ``mesh_rules.padded_rows``)."""
@@ -77,8 +79,14 @@ def generate_loop(cfg, policy, batch: int, ctx: int, steps: int, speculative: bo
             budget)
         return params, tok, tok_lp, state, cache, key, stop, budget
 
+    def prepare(params, budget):
+        ready = jax.block_until_ready(args(params, budget))
+        return lambda: programs.loop(*ready, steps=steps)[0]
+
     def run(params, budget):
-        return programs.loop(*args(params, budget), steps=steps)[0]
+        return prepare(params, budget)()
+
+    run.prepare = prepare
 
     run.hlo = lambda params: programs.loop.lower(*args(params, 2), steps=steps).compile(
     ).as_text()
@@ -91,48 +99,54 @@ def time_generate(cfg, policy, params, batch: int, ctx: int, steps: int, repeats
     two-budget difference; one token per step without speculation) and the compile +
     first-run seconds."""
     run = generate_loop(cfg, policy, batch, ctx, steps, speculative, kv_dtype, mesh)
-    (per_step, _), first_s = time_interleaved({"": lambda budget: run(params, budget)}, batch,
-                                              steps, repeats)[""]
+    (per_step, _), first_s = time_interleaved(
+        {"": lambda budget: run.prepare(params, budget)}, batch, steps, repeats)[""]
     return per_step, first_s, run
 
 
 def time_interleaved(runs: dict, batch: int, steps: int, repeats: int = 3) -> dict:
     """``{name: ((median s per step, [s per step of each repeat]), compile + first-run s)}``
-    of generate loops ``runs`` (``run(budget)``: ``generate_loop``'s run with its parameters
-    bound; ``batch`` rows each): every repeat times each run's short and long budget in
-    turn, so a drift of the machine (clocks, a neighbour) falls on all of them alike; per
-    step = the two budgets' difference over their step counts."""
+    of generate loops ``runs`` (``prepare(budget) -> go``: ``generate_loop``'s
+    ``run.prepare`` with its parameters bound; ``batch`` rows each): every repeat times each
+    run's short and long budget in turn, so a drift of the machine (clocks, a neighbour)
+    falls on all of them alike; only ``go()`` is timed (the fresh cache each loop consumes is
+    made before the clock starts); per step = the two budgets' difference over their step
+    counts."""
     short = max(2, steps // 4)
     first = {}
-    for name, run in runs.items():
+    for name, prepare in runs.items():
         t0 = time.perf_counter()
-        out = jax.block_until_ready(run(steps))
+        out = jax.block_until_ready(prepare(steps)())
         first[name] = time.perf_counter() - t0
         assert int(jnp.sum(out >= 0)) == batch * steps, "a row stopped before its budget"
     per_step = {name: [] for name in runs}
     for _ in range(repeats):
-        for name, run in runs.items():
+        for name, prepare in runs.items():
             times = {}
             for budget in (short, steps):
+                go = prepare(budget)
                 t0 = time.perf_counter()
-                jax.block_until_ready(run(budget))
+                jax.block_until_ready(go())
                 times[budget] = time.perf_counter() - t0
             per_step[name].append((times[steps] - times[short]) / (steps - short))
     return {name: ((statistics.median(v), v), first[name]) for name, v in per_step.items()}
 
 
 def trace_device_ops(run_once, samples: dict | None = None, copies=None,
-                     by_device: dict | None = None):
-    """``run_once()`` under the JAX profiler: ``Counter`` of total us and of calls per device
+                     by_device: dict | None = None, prepare=None):
+    """``run_once()`` (with ``prepare``: ``run_once(prepare())``, its inputs made before the
+    trace starts) under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
     given, receives the trace arguments of each name's first event (the HLO op that launched
     a kernel); ``copies`` (a ``Counter``) the total us of each copy by
     ``"<module>/<op> <size> B"``; ``by_device`` (a dict) a ``Counter`` of total us per op
     name for each device (the trace's process name, e.g. ``/device:GPU:1``)."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
-    run_once()
+    inputs = () if prepare is None else (prepare(),)
+    run_once(*inputs)
+    inputs = () if prepare is None else (prepare(),)
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        run_once()
+        run_once(*inputs)
     files = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
     totals, counts = collections.Counter(), collections.Counter()
     if not files:
@@ -166,8 +180,8 @@ def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | No
                      copies=None, by_device: dict | None = None):
     """Device us per step, launches per step and the op table of a ``steps``-step loop
     (``samples``, ``copies``, ``by_device``: as ``trace_device_ops``)."""
-    totals, counts = trace_device_ops(lambda: jax.block_until_ready(run(params, steps)),
-                                      samples, copies, by_device)
+    totals, counts = trace_device_ops(lambda go: jax.block_until_ready(go()), samples, copies,
+                                      by_device, prepare=lambda: run.prepare(params, steps))
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
 

@@ -50,21 +50,27 @@ def test_trace_device_ops_splits_by_device():
 
 def test_loops_are_timed_in_turn_and_each_repeat_is_kept():
     """``step_figures.time_interleaved``: every repeat times each loop's short and long
-    budget before the next repeat, and the per-step figure is their difference over their
-    step counts."""
+    budget before the next repeat, the per-step figure is their difference over their step
+    counts, and making a loop's inputs is not timed."""
     calls = []
 
     def fake_loop(name, step_s):
-        def run(budget):
-            calls.append((name, budget))
-            time.sleep(budget * step_s)
-            return np.zeros((2, budget), np.int32)
-        return run
+        def prepare(budget):
+            calls.append(("prepare", name, budget))
+            time.sleep(budget * 0.02)     # timed, it would add 20 ms to each step's figure
+
+            def go():
+                calls.append((name, budget))
+                time.sleep(budget * step_s)
+                return np.zeros((2, budget), np.int32)
+            return go
+        return prepare
 
     runs = {"on": fake_loop("on", 0.005), "off": fake_loop("off", 0.010)}
     timed = step_figures.time_interleaved(runs, 2, 8, repeats=2)
-    assert calls == [("on", 8), ("off", 8)] + [("on", 2), ("on", 8), ("off", 2),
-                                               ("off", 8)] * 2
+    loops = [(name, budget) for name, budget in (("on", 2), ("on", 8), ("off", 2), ("off", 8))]
+    assert calls == [("prepare", "on", 8), ("on", 8), ("prepare", "off", 8), ("off", 8)] + [
+        step for loop in loops for step in (("prepare", *loop), loop)] * 2
     for name, step_s in (("on", 0.005), ("off", 0.010)):
         (median, each), first_s = timed[name]
         assert len(each) == 2 and median == statistics.median(each)
