@@ -21,7 +21,6 @@ import collections
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import statistics
@@ -125,15 +124,17 @@ def time_interleaved(runs: dict, batch: int, steps: int, repeats: int = 3,
     per_step = {name: [] for name in runs}
     for _ in range(repeats):
         for name, prepare in runs.items():
-            times = {}
-            for budget in (short, steps):
-                for _ in range(tries):
-                    go = prepare(budget)
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(go())
-                    times[budget] = min(times.get(budget, math.inf), time.perf_counter() - t0)
+            times = {budget: min(_seconds(prepare(budget)) for _ in range(tries))
+                     for budget in (short, steps)}
             per_step[name].append((times[steps] - times[short]) / (steps - short))
     return {name: ((statistics.median(v), v), first[name]) for name, v in per_step.items()}
+
+
+def _seconds(go) -> float:
+    """Wall seconds of ``go()`` until its outputs are ready."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(go())
+    return time.perf_counter() - t0
 
 
 def trace_device_ops(run_once, samples: dict | None = None, copies=None,
