@@ -26,9 +26,15 @@ from .parallel import batch_parallel
 
 
 def _place_rows(buf: jax.Array, rows: jax.Array, offset: jax.Array) -> jax.Array:
-    """``buf[b, offset_b + s] = rows[b, s]`` for every row b (per-row dynamic offsets)."""
-    return jax.vmap(lambda bb, rr, o: jax.lax.dynamic_update_slice_in_dim(bb, rr, o, 0))(
-        buf, rows, offset)
+    """``buf[b, offset_b + s] = rows[b, s]`` for every row b (per-row dynamic offsets; the
+    rows must fit, ``offset_b + S <= N``). Written as a select of each of ``buf``'s rows
+    between itself and a gathered new row, not as a per-row update (a scatter), so that XLA
+    can fuse it into the pooling that reads it instead of launching it on its own."""
+    n, s = buf.shape[1], rows.shape[1]
+    src = jnp.arange(n)[None, :] - offset[:, None]                      # [B, N]: row of rows
+    inside = (src >= 0) & (src < s)
+    picked = jnp.take_along_axis(rows, jnp.clip(src, 0, s - 1)[..., None], axis=1)
+    return jnp.where(inside[..., None], picked.astype(buf.dtype), buf)
 
 
 def _take_rows(buf: jax.Array, start: jax.Array, size: int) -> jax.Array:
