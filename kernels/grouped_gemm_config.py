@@ -439,9 +439,11 @@ RESIDENT_CTAS_PER_SM_BY_ALGORITHM = {"mma_sync": 2}
 # A split launch's splits are one thread-block cluster, which runs only when all its CTAs fit
 # at once in one GPC: split launches take 3 stages (several CTAs per SM, whole clusters
 # resident; the sweep measured 3 best or level for every split launch), the unsplit decode
-# launches of few tiles 6 (few CTAs, each keeping more bytes in flight).
+# launches of few tiles 4: with their tokens quantised ahead (below), deeper rings were slower
+# in the T = 1 and T = 8 sweeps on both an H100 and an H200 (wq_b most; docs/performance.md,
+# "Decode: the T = 1 stages ... nineteenth session").
 SPLIT_STAGES = 3
-FEW_TILES_STAGES = 6
+FEW_TILES_STAGES = 4
 # ... and, quantising their own tokens, all of a short K range's blocks before the K loop (a
 # decode K block's MMAs are shorter than a token load's latency: docs/performance.md).
 FEW_TILES_TOKEN_STAGES = MAX_TOKEN_STAGES

@@ -621,12 +621,14 @@ def test_small_decode_launches_split_k_to_fill_the_gpu():
     assert (wo_a.algorithm, wo_a.split_k) == ("mma_sync", 2)
     # Split launches take SPLIT_STAGES (their clusters must fit at once in a GPC), unsplit
     # few-tile launches FEW_TILES_STAGES, fewer while two gated CTAs would not fit in an SM
-    # (wq_b: 8 token stages leave room for 5).
+    # (wq_b: 8 token stages leave room for 5, so it keeps 4).
     assert wo_a.num_stages == support.SPLIT_STAGES == 3
     wq_b = support.choose_config(8, 1, "fp8", n_outs=(32768,), k_ins=(1024,), split_k=None)
-    assert support.FEW_TILES_STAGES == 6 and wq_b.num_stages == 5
-    assert 2 * wq_b.smem_bytes("fp8", True) <= support.SMEM_BYTES < 2 * dataclasses.replace(
-        wq_b, num_stages=6).smem_bytes("fp8", True)
+    assert (wq_b.split_k, wq_b.token_stages) == (1, support.FEW_TILES_TOKEN_STAGES)
+    assert support.FEW_TILES_STAGES == 4 and wq_b.num_stages == 4
+    assert 2 * wq_b.smem_bytes("fp8", True) <= support.SMEM_BYTES
+    # A deeper ring of 6 would not fit twice (choose_config would cut it to 5).
+    assert 2 * dataclasses.replace(wq_b, num_stages=6).smem_bytes("fp8", True) > support.SMEM_BYTES
     # Splits start scale groups: K = 512 (4 blocks, one FP8 group) cannot split.
     assert support.choose_config(8, 1, "fp8", n_outs=(512,), k_ins=(512,),
                                  split_k=None).split_k == 1
