@@ -8,13 +8,14 @@
     logits, cache = model.apply({"params": params}, tokens, cache)
 
 Importing the package sets XLA's flags (``_xla_flags``: exact rounding, decode loops in CUDA
-graphs) and nothing else: the
+graphs, no per-call weight concatenation) and nothing else: the
 names below import their modules (and JAX) on first use, so the command line's ``--help``
 needs no JAX.
 """
 import importlib
 
-from ._xla_flags import DEVICE_LOOPS, EXACT_ROUNDING  # noqa: F401  first: before any backend
+# first: before any backend
+from ._xla_flags import DEVICE_LOOPS, EXACT_ROUNDING, NO_WEIGHT_MERGING  # noqa: F401
 
 # public name -> (module, attribute; None for the module itself)
 _EXPORTS = {

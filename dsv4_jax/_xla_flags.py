@@ -15,10 +15,17 @@ default command types plus ``WHILE`` and ``CONDITIONAL`` (opt-in in XLA), so tha
 recorded into command buffers instead of being driven from the host step by step
 (docs/performance.md, "Decode step": faster per step at batch 1 and 8).
 
+3. No weight copied on each call: ``--xla_gpu_dot_merger_threshold_mb=0``. XLA's DotMerger
+turns dots that share an input into one dot over the concatenation of their weights; inside a
+decode step that concatenation is an op of its own, run on every call: a CSA layer's five BF16
+compressor and indexer projections became a copy of 21 MB of weights per layer and step
+(docs/performance.md, "twentieth session"). With the pass off each projection reads its own
+weight.
+
 The flags must be in ``XLA_FLAGS`` before JAX creates its backends; importing ``dsv4_jax``
 first does that. A flag already in ``XLA_FLAGS`` is left as it is;
 ``DSV4_ALLOW_EXCESS_PRECISION=1`` leaves the first out, ``DSV4_COMMAND_BUFFERS=default`` the
-second.
+second, ``DSV4_DOT_MERGER=xla`` the third.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import warnings
 FLAG = "--xla_allow_excess_precision=false"
 COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
                    "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL")
+NO_DOT_MERGER = "--xla_gpu_dot_merger_threshold_mb=0"
 
 
 def _backends_initialized() -> bool:
@@ -69,5 +77,17 @@ def ensure_device_loops() -> bool:
     return True
 
 
+def ensure_no_dot_merger() -> bool:
+    """Add ``NO_DOT_MERGER`` to ``XLA_FLAGS`` if possible; returns whether it is in effect."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_dot_merger_threshold_mb" in flags:
+        return NO_DOT_MERGER in flags
+    if os.environ.get("DSV4_DOT_MERGER") == "xla" or _backends_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = (flags + " " + NO_DOT_MERGER).strip()
+    return True
+
+
 EXACT_ROUNDING = ensure_exact_rounding()
 DEVICE_LOOPS = ensure_device_loops()
+NO_WEIGHT_MERGING = ensure_no_dot_merger()

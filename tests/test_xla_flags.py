@@ -1,0 +1,43 @@
+"""The XLA flags importing dsv4_jax sets (``dsv4_jax/_xla_flags.py``): which are added, which
+a user's own ``XLA_FLAGS`` or opt-out keeps out, and that XLA accepts them (an unknown flag
+stops the backend at its start)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = ("import os, json, jax, dsv4_jax as dj; jax.devices(); print(json.dumps(["
+          "os.environ['XLA_FLAGS'], dj.EXACT_ROUNDING, dj.DEVICE_LOOPS, dj.NO_WEIGHT_MERGING]))")
+
+
+def _import_flags(**env) -> tuple:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("XLA_FLAGS", "DSV4_DOT_MERGER", "DSV4_COMMAND_BUFFERS",
+                          "DSV4_ALLOW_EXCESS_PRECISION")}
+    out = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, "JAX_PLATFORMS": "cpu",
+                                                              **env},
+                         capture_output=True, text=True, timeout=120, check=True)
+    flags, *states = json.loads(out.stdout.strip().splitlines()[-1])
+    return flags.split(), states
+
+
+def test_importing_the_package_sets_the_three_flags_and_xla_accepts_them():
+    flags, states = _import_flags()
+    assert "--xla_allow_excess_precision=false" in flags
+    assert any(f.startswith("--xla_gpu_enable_command_buffer=") for f in flags)
+    assert "--xla_gpu_dot_merger_threshold_mb=0" in flags
+    assert states == [True, True, True]
+
+
+@pytest.mark.parametrize("env, kept", [
+    ({"XLA_FLAGS": "--xla_gpu_dot_merger_threshold_mb=32"},
+     "--xla_gpu_dot_merger_threshold_mb=32"),
+    ({"DSV4_DOT_MERGER": "xla"}, None),
+])
+def test_a_users_dot_merger_setting_is_left_as_it_is(env, kept):
+    flags, states = _import_flags(**env)
+    merger = [f for f in flags if "dot_merger" in f]
+    assert merger == ([kept] if kept else [])
+    assert states[2] is False
