@@ -66,26 +66,26 @@ def ensure_exact_rounding() -> bool:
     return True
 
 
+def _ensure(flag: str, opted_out: bool) -> bool:
+    """Add ``flag`` (``--name=value``) to ``XLA_FLAGS`` unless the user set that name, opted
+    out, or the backends exist already; returns whether ``flag`` is in effect."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag.split("=")[0] + "=" in flags:
+        return flag in flags
+    if opted_out or _backends_initialized():
+        return False
+    os.environ["XLA_FLAGS"] = (flags + " " + flag).strip()
+    return True
+
+
 def ensure_device_loops() -> bool:
     """Add ``COMMAND_BUFFERS`` to ``XLA_FLAGS`` if possible; returns whether it is in effect."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_enable_command_buffer" in flags:
-        return COMMAND_BUFFERS in flags
-    if os.environ.get("DSV4_COMMAND_BUFFERS") == "default" or _backends_initialized():
-        return False
-    os.environ["XLA_FLAGS"] = (flags + " " + COMMAND_BUFFERS).strip()
-    return True
+    return _ensure(COMMAND_BUFFERS, os.environ.get("DSV4_COMMAND_BUFFERS") == "default")
 
 
 def ensure_no_dot_merger() -> bool:
     """Add ``NO_DOT_MERGER`` to ``XLA_FLAGS`` if possible; returns whether it is in effect."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_dot_merger_threshold_mb" in flags:
-        return NO_DOT_MERGER in flags
-    if os.environ.get("DSV4_DOT_MERGER") == "xla" or _backends_initialized():
-        return False
-    os.environ["XLA_FLAGS"] = (flags + " " + NO_DOT_MERGER).strip()
-    return True
+    return _ensure(NO_DOT_MERGER, os.environ.get("DSV4_DOT_MERGER") == "xla")
 
 
 EXACT_ROUNDING = ensure_exact_rounding()

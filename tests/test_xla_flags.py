@@ -41,3 +41,9 @@ def test_a_users_dot_merger_setting_is_left_as_it_is(env, kept):
     merger = [f for f in flags if "dot_merger" in f]
     assert merger == ([kept] if kept else [])
     assert states[2] is False
+
+
+def test_a_users_command_buffer_setting_is_left_as_it_is():
+    flags, states = _import_flags(XLA_FLAGS="--xla_gpu_enable_command_buffer=")
+    assert [f for f in flags if "command_buffer" in f] == ["--xla_gpu_enable_command_buffer="]
+    assert states == [True, False, True]
