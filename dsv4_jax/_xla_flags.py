@@ -19,8 +19,8 @@ recorded into command buffers instead of being driven from the host step by step
 turns dots that share an input into one dot over the concatenation of their weights; inside a
 decode step that concatenation is an op of its own, run on every call: a CSA layer's five BF16
 compressor and indexer projections became a copy of 21 MB of weights per layer and step
-(docs/performance.md, "twentieth session"). With the pass off each projection reads its own
-weight.
+(docs/performance.md, "a weight copy XLA made per step"). With the pass off each projection
+reads its own weight.
 
 The flags must be in ``XLA_FLAGS`` before JAX creates its backends; importing ``dsv4_jax``
 first does that. A flag already in ``XLA_FLAGS`` is left as it is;
