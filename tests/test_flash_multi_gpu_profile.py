@@ -70,7 +70,7 @@ def test_loops_are_timed_in_turn_and_each_repeat_is_kept():
 
     runs = {"on": fake_loop("on", 0.005), "off": fake_loop("off", 0.010)}
     timed = step_figures.time_interleaved(runs, 2, 8, repeats=2, tries=2)
-    loops = [(name, budget) for name, budget in (("on", 2), ("on", 8), ("off", 2), ("off", 8))]
+    loops = [("on", 2), ("on", 8), ("off", 2), ("off", 8)]
     assert calls == [("prepare", "on", 8), ("on", 8), ("prepare", "off", 8), ("off", 8)] + [
         step for loop in loops for step in (("prepare", *loop), loop) * 2] * 2
     for name, step_s in (("on", 0.005), ("off", 0.010)):
