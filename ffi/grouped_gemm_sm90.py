@@ -248,10 +248,11 @@ def _tiles(rows: int, group_ids, groups: int, config: GroupedGemmSm90Config):
 
 def with_constant_tiles(config: GroupedGemmSm90Config) -> GroupedGemmSm90Config:
     """``config`` for a launch whose tile arrays are constants (rows in equal blocks): a
-    programmatic dependent "mma_fp8" launch may then read them and issue its first weight
+    programmatic dependent launch of a kernel that quantises its tokens ("mma_fp8",
+    "wgmma_rs") may then read them and issue its first weight
     copies before it waits for the kernel before it ("weights"); routed tiles come from
     that kernel, so their launches keep "start"."""
-    if config.pdl == "start" and config.algorithm == "mma_fp8":
+    if config.pdl == "start" and config.spec.quantizes_tokens:
         return dataclasses.replace(config, pdl="weights")
     return config
 

@@ -61,7 +61,7 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
                  config, source_stride: int = 0):
     """Both launches on assignment rows sorted by expert; row ``a`` reads ``x[source_row[a]]``
     (``source_row`` None: ``x[a]``). ``source_stride`` k > 0: ``source_row[a]`` is ``a //
-    k``, which "mma_fp8" reads itself on row tiles (no gather). Returns ``order`` (None: the
+    k``, which "mma_fp8" and "wgmma_rs" read themselves on row tiles (no gather). Returns ``order`` (None: the
     rows kept their order, one tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the
     rows' outputs ``[A, d]`` bf16 in that order (rows of dropped ids are zero)."""
     groups = w1[0].shape[0]
@@ -76,7 +76,7 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
         rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
         rows = order if source_row is None else source_row[order]
     stride = 1
-    if order is None and source_stride > 0 and config.algorithm == "mma_fp8":
+    if order is None and source_stride > 0 and config.spec.quantizes_tokens:
         rows, stride = None, source_stride
     xs, x_scale = gemm.quantized_rows(x, rows, config, simulate)
     h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,

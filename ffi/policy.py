@@ -42,7 +42,8 @@ class GroupedGemmPolicy:
     decode_algorithm: kernel for decode-size inputs (few rows per group): ``"mma_fp8"``
       (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
       simulation -- ``"mma_sync"`` runs), ``"mma_fp8_stream"`` (its MMAs with the weights
-      loaded into registers; the same fallback), ``"mma_sync"``, ``"wgmma"`` or
+      loaded into registers; the same fallback), ``"wgmma_rs"`` (its conversion feeding
+      warpgroup FP8 MMAs; the same fallback), ``"mma_sync"``, ``"wgmma"`` or
       ``"wgmma_fp8"``.
     prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"``, ``"wgmma_coop"`` (two
       math warpgroups; FP4/FP8 weights and output features a multiple of 128, else

@@ -12,11 +12,12 @@ the same arguments and outputs; ``KERNELS`` is their table:
 | ``"wgmma_coop"`` | ``grouped_gemm_sm90_wgmma_coop`` | prefill | "wgmma" with 128 weight rows per CTA, two math warpgroups converting and multiplying 64 each |
 | ``"mma_sync"`` | ``grouped_gemm_sm90_mma_sync`` | decode (8 rows) | every warp streams 16 weight rows, converts them in registers, warp-level bf16 MMAs |
 | ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
+| ``"wgmma_rs"`` | ``grouped_gemm_sm90_wgmma_rs`` | decode (8 rows) | "mma_fp8" on warpgroup FP8 MMAs (weights as register A operands, tokens by descriptor) |
 | ``"mma_fp8_stream"`` | ``grouped_gemm_sm90_mma_fp8_stream`` | decode (8 rows) | "mma_fp8" with the weights loaded straight into registers (no shared-memory ring, no barrier per K block) |
 
 The FP8 kernels multiply the activations as e4m3 codes and per-(row, 128 columns) scales
 (``quant.act_quant``), so they need FP4/FP8 weights and the FP8 activation simulation;
-"mma_fp8" quantises the bf16 rows itself, the others take the codes.
+"mma_fp8" and "wgmma_rs" quantise the bf16 rows themselves, the others take the codes.
 Measurements of each (and the crossovers ``choose_config`` uses): docs/performance.md.
 
 The JAX side consults ``GroupedGemmSm90Config.is_supported`` before it imports CuTe DSL.
@@ -95,6 +96,10 @@ KERNELS = {spec.algorithm: spec for spec in (
                ("no_load", "no_token_load", "no_scale_load", "no_dequant", "no_mma",
                 "no_reduce", "no_cluster")),
     KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
+               True, ("fp4", "fp8"), WARP_TOKENS, True,
+               ("no_load", "no_dequant", "no_mma", "no_quant", "no_reduce", "no_cluster"),
+               quantizes_tokens=True),
+    KernelSpec("wgmma_rs", "grouped_gemm_sm90_wgmma_rs", "GroupedGemmWgmmaRsSm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_dequant", "no_mma", "no_quant", "no_reduce", "no_cluster"),
                quantizes_tokens=True),
@@ -178,9 +183,9 @@ class GroupedGemmSm90Config:
                              f"algorithm quantises its tokens; got {self.token_stages} with "
                              f"{self.algorithm!r}")
         if self.pdl not in PDL_MODES or (self.pdl and spec.tiles != "decode") or (
-                self.pdl == "weights" and self.algorithm != "mma_fp8"):
+                self.pdl == "weights" and not spec.quantizes_tokens):
             raise ValueError(f"GroupedGemmSm90Config: pdl must be one of {PDL_MODES} "
-                             f"(a warp kernel's; 'weights' with 'mma_fp8' only), got "
+                             f"(a warp kernel's; 'weights' with 'mma_fp8' or 'wgmma_rs' only), got "
                              f"{self.pdl!r} with {self.algorithm!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
@@ -201,7 +206,7 @@ class GroupedGemmSm90Config:
         mats = 2 if gated else 1
         if self.algorithm == "mma_sync":
             return warp_smem_bytes(weight_format, gated, self.num_stages)
-        if self.algorithm == "mma_fp8":
+        if self.spec.quantizes_tokens:          # "mma_fp8", "wgmma_rs"
             return fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
                                        self.token_stages)
         if self.algorithm == "mma_fp8_stream":
@@ -376,6 +381,25 @@ def fp8_warp_unit(row_kind: str, row, unit):
     if row_kind == "fp4":
         return unit ^ ((row >> 1) & 3)
     return unit ^ ((row & 3) << 1)
+
+
+def rs_token_offset(row, unit, second):
+    """"wgmma_rs": byte offset in a token stage of the 4-byte word ``second`` (0, 1) of the
+    e4m3 codes of K columns 8 unit .. 8 unit + 7 of token row ``row``: MMA step unit / 4's
+    B operand (K-major, no swizzle: core matrices of MMA columns 0-15 and 16-31, 128 bytes
+    apart, row ``row`` at 16 row), columns 4 (unit % 4) .. + 3 of its core matrix
+    ``second`` (``rs_token_columns``). Works on ints and kernel integers alike."""
+    return (unit // 4) * 256 + second * 128 + row * 16 + 4 * (unit % 4)
+
+
+def rs_token_columns(unit, second, weight_format: str):
+    """"wgmma_rs": the K columns (within the K block) of the 4 codes of the word
+    ``rs_token_offset(row, unit, second)``, byte 0 first: the order the weights' registers
+    imply (``fp4x8_to_e4m3x8``: FP4 even codes in the first register, odd in the third;
+    FP8 bytes 0-3 and 4-7)."""
+    if weight_format == "fp4":
+        return [8 * unit + 2 * j + second for j in range(4)]
+    return [8 * unit + 4 * second + j for j in range(4)]
 
 
 def warp_lane_columns(t, kb, step):

@@ -14,10 +14,11 @@ from .grouped_gemm_sm90_mma_sync import GroupedGemmMmaSyncSm90
 from .grouped_gemm_sm90_wgmma import GroupedGemmWgmmaSm90
 from .grouped_gemm_sm90_wgmma_coop import GroupedGemmWgmmaCoopSm90
 from .grouped_gemm_sm90_wgmma_fp8 import GroupedGemmWgmmaFp8Sm90
+from .grouped_gemm_sm90_wgmma_rs import GroupedGemmWgmmaRsSm90
 
 KERNEL_CLASSES = {cls.__name__: cls for cls in (
     GroupedGemmWgmmaSm90, GroupedGemmWgmmaFp8Sm90, GroupedGemmMmaSyncSm90, GroupedGemmMmaFp8Sm90,
-    GroupedGemmMmaFp8StreamSm90, GroupedGemmWgmmaCoopSm90)}
+    GroupedGemmMmaFp8StreamSm90, GroupedGemmWgmmaCoopSm90, GroupedGemmWgmmaRsSm90)}
 if {spec.class_name for spec in KERNELS.values()} != set(KERNEL_CLASSES):
     raise ImportError("grouped_gemm_config.KERNELS and the launcher's kernel classes differ")
 
@@ -53,7 +54,7 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                                    split_k=split_k, ablation=ablation,
                                    token_stages=token_stages, pdl=pdl)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
-    # Only the warp kernels take pairs, only "mma_fp8" a token stride.
+    # Only the warp kernels take pairs, only those that quantise their tokens a stride.
     extra = ({"paired": True} if paired else {}) | (
         {"token_stride": token_stride} if token_stride != 1 else {})
     kernel_class(weight_format, gated, swiglu_limit, config, scale_group, **extra)(

@@ -358,7 +358,7 @@ def test_wgmma_coop_prefill_without_simulation_matches_the_reference():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims, fmt, t, algorithm", [
     (d, f, t, a) for d in ("small", "flash") for f in ("fp4", "fp8") for t in (1, 2)
-    for a in ("mma_fp8", "mma_sync", "mma_fp8_stream")]
+    for a in ("mma_fp8", "mma_sync", "mma_fp8_stream", "wgmma_rs")]
     + [("pro", "fp4", 1, "mma_fp8"), ("small", "bf16", 1, "")])
 def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
     policy = GroupedGemmPolicy(split_k=4, **({"decode_algorithm": algorithm} if algorithm
@@ -368,9 +368,9 @@ def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
 
 # Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
 # applies: the default ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token
-# counts and routings than GPU_CASES, and the others ("mma_sync" and "mma_fp8_stream" for
-# FP4/FP8; "wgmma": the prefill kernel with 8-row tiles, kept selectable) on fewer. Narrow
-# with -k (e.g. "small", "mma_sync", "wgmma").
+# counts and routings than GPU_CASES, and the others ("mma_sync", "mma_fp8_stream" and
+# "wgmma_rs" for FP4/FP8; "wgmma": the prefill kernel with 8-row tiles, kept selectable) on
+# fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
@@ -389,6 +389,12 @@ DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in
                 + [("flash", f, t, "random", "mma_fp8_stream") for f in ("fp4", "fp8")
                    for t in (1, 8, 64)]
                 + [("pro", "fp4", 8, "random", "mma_fp8_stream")]
+                + [("small", f, t, r, "wgmma_rs") for f in ("fp4", "fp8")
+                   for t in (1, 3, 8, 16) for r in ("random", "dropped")]
+                + [("small", f, 64, "one_expert", "wgmma_rs") for f in ("fp4", "fp8")]
+                + [("flash", f, t, "random", "wgmma_rs") for f in ("fp4", "fp8")
+                   for t in (1, 8, 64)]
+                + [("pro", "fp4", 8, "random", "wgmma_rs")]
                 + [("small", f, t, r, "wgmma") for f in ("fp4", "fp8", "bf16") for t in (3, 8)
                    for r in ("random", "dropped")]
                 + [("flash", f, 8, "random", "wgmma") for f in ("fp4", "fp8")])
