@@ -179,18 +179,45 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         (``quant.act_quant``, bit for bit), by a half warp: it takes the row's largest |x|
         by shuffles, and each thread writes the e4m3 codes of its 8 columns (``unit``),
         the first the f32 scale; nothing is stored unless ``store``."""
-        amax = bf16x8_abs_max_bits(x_words)
-        for offset in (8, 4, 2, 1):
-            other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
-            amax = other if other > amax else amax
-        scale, inverse = act_scale_bits(amax)
-        codes = bf16x8_to_e4m3x8(x_words, inverse)
+        scale, codes = self.quantized_codes(x_words)
         if store:
             dst = (stage + r * BLOCK_K + fp8_warp_unit("tokens", r, unit // 2) * 16
                    + 8 * (unit % 2))
             _store_words2(dst, codes)
             if unit == 0:
                 _store_words2(stage + WARP_TOKENS * BLOCK_K + r * 4, (scale,))
+
+    @cute.jit
+    def quantized_codes(self, x_words):
+        """A half warp's 1 x 128 quantisation of one K block of a row (8 columns per thread
+        in ``x_words``): the row's largest |x| by shuffles, then the f32 scale bits and this
+        thread's 8 e4m3 codes (two words)."""
+        amax = bf16x8_abs_max_bits(x_words)
+        for offset in (8, 4, 2, 1):
+            other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
+            amax = other if other > amax else amax
+        scale, inverse = act_scale_bits(amax)
+        return scale, bf16x8_to_e4m3x8(x_words, inverse)
+
+    def block_inputs(self, base, kb, warp, lane):
+        """Lane 4g + t's shared-memory inputs of K block ``kb``: its warp's weight stage, the
+        token stage, the scales of tokens 2t and 2t + 1 (its accumulator columns), the
+        weight scale words per matrix (FP4: rows g and g + 8; FP8: the matrix's word) and
+        the block's place in its scale group."""
+        g, t = lane // 4, lane % 4
+        scales = self.scale_buffer(base, kb, warp)
+        in_group = kb % self.scale_group
+        tokens = self.token_stage(base, kb)
+        token_scales = _load_f32x2(tokens + WARP_TOKENS * BLOCK_K + 8 * t)
+        scale_words = []
+        for mat in range(self.mats):
+            if const_expr(self.weight_format == "fp4"):
+                scale_words.append([_load_word(scales + (mat * WARP_ROWS + g + 8 * half) * 16
+                                               + in_group * 4) for half in range(2)])
+            else:
+                scale_words.append([_load_word(scales + mat * 4)])
+        return (self.weight_stage(base, kb, warp), tokens,
+                [token_scales[j] for j in range(2)], scale_words, in_group)
 
     def weight_slot(self, stage, mat, half, chunk, lane):
         """Row-major rows of the warp's stage, units swizzled (``fp8_warp_unit``): the lanes
@@ -228,22 +255,9 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     def compute(self, acc: cute.Tensor, base: Int32, kb: Int32, warp: Int32, lane: Int32):
         """This lane's MMAs of K block ``kb``: its sum per matrix, scaled into ``acc``."""
         g, t = lane // 4, lane % 4
-        stage = self.weight_stage(base, kb, warp)
-        scales = self.scale_buffer(base, kb, warp)
-        in_group = kb % self.scale_group
-        tokens = self.token_stage(base, kb)
-        # Scales of tokens 2t and 2t + 1, the accumulator columns of this lane.
-        token_scales = _load_f32x2(tokens + WARP_TOKENS * BLOCK_K + 8 * t)
-        sx = [token_scales[j] for j in range(2)]
+        stage, tokens, sx, scale_words, in_group = self.block_inputs(base, kb, warp, lane)
         block = cute.make_rmem_tensor((4 * self.mats,), Float32)
         block.fill(0.0)
-        scale_words = []
-        for mat in cutlass.range_constexpr(self.mats):
-            if const_expr(self.weight_format == "fp4"):
-                scale_words.append([_load_word(scales + (mat * WARP_ROWS + g + 8 * half) * 16
-                                               + in_group * 4) for half in range(2)])
-            else:
-                scale_words.append([_load_word(scales + mat * 4)])
         for i in cutlass.range_constexpr(STEPS):
             # The lane's 8 token bytes of step i: columns 32i + 8t .. + 7 of token row g.
             x = _load_words2(tokens + g * BLOCK_K
@@ -253,21 +267,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
             else:
                 b = (x[0], x[1])
             for mat in cutlass.range_constexpr(self.mats):
-                rows_ab = []                      # per row half: (columns 4t.., 4t+16..)
-                for half in cutlass.range_constexpr(2):
-                    q = mat * WARP_ROWS + g + 8 * half
-                    if const_expr(self.weight_format == "fp4"):
-                        word = _load_word(stage + q * self.row_bytes
-                                          + fp8_warp_unit("fp4", q, i) * 16 + 4 * t)
-                        if const_expr(self.leaves_out("no_dequant")):
-                            rows_ab.append((word, word ^ 0x5A5A5A5A))
-                        else:
-                            rows_ab.append(fp4x8_to_e4m3x8(word))
-                    else:
-                        rows_ab.append(_load_words2(
-                            stage + q * self.row_bytes
-                            + fp8_warp_unit("fp8", q, 2 * i + t // 2) * 16 + 8 * (t % 2)))
-                a = (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
+                a = self.a_registers(stage, mat, i, g, t)
                 self.mma_step(block, mat, i, a, b,
                               [(scale_words[mat][half] >> (8 * i)) & 0xFF for half in range(2)]
                               if self.weight_format == "fp4" else [])
@@ -275,6 +275,27 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                        [(scale_words[mat][0] >> (8 * in_group)) & 0xFF
                         for mat in range(self.mats)]
                        if self.weight_format == "fp8" else [])
+
+    def a_registers(self, stage, mat: int, i: int, g, t):
+        """Lane 4g + t's A registers of matrix ``mat`` and MMA step ``i``: of rows g and
+        g + 8 of its warp, MMA columns 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 (see the
+        module docstring: FP4 even codes of the lane's word, then odd ones; FP8 bytes 0-3,
+        then 4-7). Plain Python: unrolled where the kernel calls it."""
+        rows_ab = []                               # per row half: (first, third register)
+        for half in range(2):
+            q = mat * WARP_ROWS + g + 8 * half
+            if const_expr(self.weight_format == "fp4"):
+                word = _load_word(stage + q * self.row_bytes
+                                  + fp8_warp_unit("fp4", q, i) * 16 + 4 * t)
+                if const_expr(self.leaves_out("no_dequant")):
+                    rows_ab.append((word, word ^ 0x5A5A5A5A))
+                else:
+                    rows_ab.append(fp4x8_to_e4m3x8(word))
+            else:
+                rows_ab.append(_load_words2(stage + q * self.row_bytes
+                                            + fp8_warp_unit("fp8", q, 2 * i + t // 2) * 16
+                                            + 8 * (t % 2)))
+        return (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
 
     def mma_step(self, block: cute.Tensor, mat: cutlass.Constexpr, i: cutlass.Constexpr, a, b,
                  fp4_scales):

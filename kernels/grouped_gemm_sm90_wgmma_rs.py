@@ -45,13 +45,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .grouped_gemm_config import (BLOCK_K, WARP_ROWS, WARP_TOKENS, fp8_warp_unit,
-                       rs_token_offset)
-from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_to_e4m3x8,
-                               byte_perm, e8m0_f32, fence_f32, fp4x8_to_e4m3x8)
-from .grouped_gemm_sm90_mma_fp8 import (GroupedGemmMmaFp8Sm90, _load_f32x2, _load_words2,
-                               _store_words2)
-from .grouped_gemm_sm90_mma_sync import STEPS, _load_word
+from .grouped_gemm_config import BLOCK_K, WARP_TOKENS, rs_token_offset
+from .grouped_gemm_sm90_convert import byte_perm, e8m0_f32, fence_f32
+from .grouped_gemm_sm90_mma_fp8 import GroupedGemmMmaFp8Sm90, _store_words2
+from .grouped_gemm_sm90_mma_sync import STEPS
 
 CORE_BYTES = 128            # one 8 x 16-byte core matrix of the token operand
 STEP_BYTES = 2 * CORE_BYTES  # a step's token operand (``rs_token_offset``)
@@ -64,12 +61,7 @@ class GroupedGemmWgmmaRsSm90(GroupedGemmMmaFp8Sm90):
     def quantize_block(self, x_words, stage: Int32, r: Int32, unit: Int32, store):
         """"mma_fp8"'s 1 x 128 quantisation of one K block of tile row ``r`` by a half warp,
         the codes stored as the steps' B operands (see the module docstring)."""
-        amax = bf16x8_abs_max_bits(x_words)
-        for offset in (8, 4, 2, 1):
-            other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
-            amax = other if other > amax else amax
-        scale, inverse = act_scale_bits(amax)
-        codes = bf16x8_to_e4m3x8(x_words, inverse)
+        scale, codes = self.quantized_codes(x_words)
         if store:
             first, second = codes[0], codes[1]
             if const_expr(self.weight_format == "fp4"):
@@ -86,19 +78,7 @@ class GroupedGemmWgmmaRsSm90(GroupedGemmMmaFp8Sm90):
     def compute(self, acc: cute.Tensor, base: Int32, kb: Int32, warp: Int32, lane: Int32):
         """This lane's share of K block ``kb``'s warpgroup MMAs, scaled into ``acc``."""
         g, t = lane // 4, lane % 4
-        stage = self.weight_stage(base, kb, warp)
-        scales = self.scale_buffer(base, kb, warp)
-        in_group = kb % self.scale_group
-        tokens = self.token_stage(base, kb)
-        token_scales = _load_f32x2(tokens + WARP_TOKENS * BLOCK_K + 8 * t)
-        sx = [token_scales[j] for j in range(2)]
-        scale_words = []
-        for mat in cutlass.range_constexpr(self.mats):
-            if const_expr(self.weight_format == "fp4"):
-                scale_words.append([_load_word(scales + (mat * WARP_ROWS + g + 8 * half) * 16
-                                               + in_group * 4) for half in range(2)])
-            else:
-                scale_words.append([_load_word(scales + mat * 4)])
+        stage, tokens, sx, scale_words, in_group = self.block_inputs(base, kb, warp, lane)
         block = cute.make_rmem_tensor((4 * self.mats,), Float32)
         block.fill(0.0)
         # Step i's conversions and MMAs run while step i - 1's MMAs finish; its results are
@@ -119,25 +99,6 @@ class GroupedGemmWgmmaRsSm90(GroupedGemmMmaFp8Sm90):
                        [(scale_words[mat][0] >> (8 * in_group)) & 0xFF
                         for mat in range(self.mats)]
                        if self.weight_format == "fp8" else [])
-
-    def a_registers(self, stage: Int32, mat: int, i: int, g: Int32, t: Int32):
-        """Lane 4g + t's A registers of matrix ``mat`` and step ``i`` ("mma_fp8"'s words and
-        conversion): rows g, g + 8 of its warp, MMA columns 4t .. + 3 and 16 + 4t .. + 3."""
-        rows_ab = []                               # per row half: (first, third register)
-        for half in range(2):
-            q = mat * WARP_ROWS + g + 8 * half
-            if const_expr(self.weight_format == "fp4"):
-                word = _load_word(stage + q * self.row_bytes
-                                  + fp8_warp_unit("fp4", q, i) * 16 + 4 * t)
-                if const_expr(self.leaves_out("no_dequant")):
-                    rows_ab.append((word, word ^ 0x5A5A5A5A))
-                else:
-                    rows_ab.append(fp4x8_to_e4m3x8(word))
-            else:
-                rows_ab.append(_load_words2(stage + q * self.row_bytes
-                                            + fp8_warp_unit("fp8", q, 2 * i + t // 2) * 16
-                                            + 8 * (t % 2)))
-        return (rows_ab[0][0], rows_ab[1][0], rows_ab[0][1], rows_ab[1][1])
 
     def add_step(self, block: cute.Tensor, parts, scale_words, i: int):
         """Step ``i``'s results ``parts`` (per matrix) into the K block's sums: FP4 times

@@ -104,9 +104,9 @@ GPU_CASES = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(GPU_CASES))
-def test_equals_mma_fp8_and_matches_the_reference(name):
+def case_inputs(name):
+    """GPU_CASES[name]'s inputs: ``(x, ids, w, arrays)`` -- ``arrays`` the second weight and
+    routing weights of a gated case, jit arguments rather than constants."""
     fmt, groups, n, k, gated, rows, routed = GPU_CASES[name]
     key = jax.random.key(len(name))
     w = cases.random_weight(fmt, *jax.random.split(jax.random.fold_in(key, 1)), groups, n, k)
@@ -117,7 +117,14 @@ def test_equals_mma_fp8_and_matches_the_reference(name):
     ids = (jax.random.randint(jax.random.fold_in(key, 4), (rows,), 0, groups) if routed
            else None)
     rw = jax.random.uniform(jax.random.fold_in(key, 5), (rows,)) if gated else None
-    arrays = dict(w_up=w_up, row_weights=rw)            # jit arguments, not constants
+    return x, ids, w, dict(w_up=w_up, row_weights=rw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_equals_mma_fp8_and_matches_the_reference(name):
+    fmt, groups, n, k, gated, rows, _ = GPU_CASES[name]
+    x, ids, w, arrays = case_inputs(name)
     static = dict(swiglu_limit=LIMIT, simulate=True)
     config = resolve_config(STREAM, rows, groups, fmt, (k,), True, (n,))
     assert config.algorithm == "mma_fp8_stream"
@@ -137,7 +144,7 @@ def test_equals_mma_fp8_and_matches_the_reference(name):
         np.testing.assert_array_equal(_f32(got), _f32(out))
 
 
-def _quantisation_edge_rows(rows: int, k: int) -> jax.Array:
+def quantisation_edge_rows(rows: int, k: int) -> jax.Array:
     """Rows whose 128-column blocks probe ``quant.act_quant``'s edges: an all-zero block (the
     1e-4 amax floor), blocks of magnitudes 2^-40 .. 2^40, a block whose largest |x| is
     exactly 448 times a power of two, and signs, subnormal bf16 values and ties of the e4m3
@@ -176,7 +183,7 @@ def test_in_kernel_quantisation_is_act_quant_at_its_edges(split, token_stages, r
     fmt, groups, n, k = "fp8", 1, 256, 1536
     key = jax.random.key(11)
     w = cases.random_weight(fmt, *jax.random.split(key), groups, n, k)
-    x = _quantisation_edge_rows(rows, k)
+    x = quantisation_edge_rows(rows, k)
     static = dict(simulate=True)
     run = jax.jit(lambda x, c, w: grouped_gemm_cute(x, None, w, config=c, **static),
                   static_argnums=1)

@@ -14,6 +14,7 @@ from dsv4_jax.ffi import cases, grouped_gemm_reference
 from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, launch_support, resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
+from test_kernels_grouped_gemm_sm90_stream import GPU_CASES, quantisation_edge_rows, case_inputs
 
 LIMIT = 10.0
 RS = GroupedGemmPolicy(decode_algorithm="wgmma_rs")
@@ -94,37 +95,14 @@ def _f32(a):
     return np.asarray(jnp.asarray(a, jnp.float32))
 
 
-# name: (fmt, groups, N, K, gated, rows, routed): the Flash decode GEMMs -- dense FP8 linears
-# (one group), the shared expert's gated GEMM, the routed experts (FP4, a row per (token,
-# expert); 16 of the 256 experts, so that the reference fits) at 1 and 8 tokens, with the
-# K splits the model's rule picks -- and a small FP8 routed case with empty experts.
-GPU_CASES = {
-    "wq_b_t1": ("fp8", 1, 32768, 1024, False, 1, False),
-    "wo_b_t8": ("fp8", 1, 4096, 8192, False, 8, False),
-    "wq_a_t1": ("fp8", 1, 1024, 4096, False, 1, False),
-    "shared_w13_t1": ("fp8", 1, 2048, 4096, True, 1, False),
-    "shared_w13_t8": ("fp8", 1, 2048, 4096, True, 8, False),
-    "routed_w13_t1": ("fp4", 16, 2048, 4096, True, 6, True),
-    "routed_w13_t8": ("fp4", 16, 2048, 4096, True, 48, True),
-    "routed_w2_t8": ("fp4", 16, 4096, 2048, False, 48, True),
-    "small_fp8_routed": ("fp8", 8, 256, 512, True, 20, True),
-}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_matches_the_reference_and_mma_fp8(name):
-    fmt, groups, n, k, gated, rows, routed = GPU_CASES[name]
-    key = jax.random.key(len(name))
-    w = cases.random_weight(fmt, *jax.random.split(jax.random.fold_in(key, 1)), groups, n, k)
-    w_up = (cases.random_weight(fmt, *jax.random.split(jax.random.fold_in(key, 2)), groups, n,
-                                k) if gated else None)
-    x = jax.random.normal(jax.random.fold_in(key, 3), (rows, k), jnp.float32)
-    x = x.astype(jnp.bfloat16)
-    ids = (jax.random.randint(jax.random.fold_in(key, 4), (rows,), 0, groups) if routed
-           else None)
-    rw = jax.random.uniform(jax.random.fold_in(key, 5), (rows,)) if gated else None
-    arrays = dict(w_up=w_up, row_weights=rw)            # jit arguments, not constants
+    """The Flash decode GEMMs of the "mma_fp8_stream" tests (dense FP8 linears, the shared
+    expert, the routed experts at 1 and 8 tokens, a small FP8 routed case with empty
+    experts), with the K splits the model's rule picks."""
+    fmt, groups, n, k, gated, rows, _ = GPU_CASES[name]
+    x, ids, w, arrays = case_inputs(name)
     static = dict(swiglu_limit=LIMIT, simulate=True)
     config = resolve_config(RS, rows, groups, fmt, (k,), True, (n,))
     assert config.algorithm == "wgmma_rs"
@@ -149,10 +127,9 @@ def test_in_kernel_quantisation_matches_mma_fp8(split, token_stages, rows):
     """The quantisation is "mma_fp8"'s (bit for bit ``quant.act_quant``, tested there): on
     rows at its edges (zero blocks, 2^+-40 magnitudes, e4m3 ties) the outputs are within
     4e-3 of "mma_fp8"'s."""
-    from test_kernels_grouped_gemm_sm90_stream import _quantisation_edge_rows
     k, n = 1536, 256          # FP8 scale words: K blocks a multiple of 4
     w = cases.random_weight("fp8", *jax.random.split(jax.random.key(11)), 1, n, k)
-    x = _quantisation_edge_rows(rows, k)
+    x = quantisation_edge_rows(rows, k)
     outs = []
     for algorithm in ("wgmma_rs", "mma_fp8"):
         config = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm=algorithm,
