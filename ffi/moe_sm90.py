@@ -61,9 +61,10 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
                  config, source_stride: int = 0):
     """Both launches on assignment rows sorted by expert; row ``a`` reads ``x[source_row[a]]``
     (``source_row`` None: ``x[a]``). ``source_stride`` k > 0: ``source_row[a]`` is ``a //
-    k``, which "mma_fp8" and "wgmma_rs" read themselves on row tiles (no gather). Returns ``order`` (None: the
-    rows kept their order, one tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the
-    rows' outputs ``[A, d]`` bf16 in that order (rows of dropped ids are zero)."""
+    k``, which the kernels that quantise their tokens ("mma_fp8", "wgmma_rs") read
+    themselves on row tiles (no gather). Returns ``order`` (None: the rows kept their order,
+    one tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the rows' outputs ``[A, d]``
+    bf16 in that order (rows of dropped ids are zero)."""
     groups = w1[0].shape[0]
     config = config or moe_config(ea.shape[0], w1, w2, simulate=simulate, policy=policy)
     if gemm.use_row_tiles(ea.shape[0], groups, config):

@@ -185,8 +185,8 @@ class GroupedGemmSm90Config:
         if self.pdl not in PDL_MODES or (self.pdl and spec.tiles != "decode") or (
                 self.pdl == "weights" and not spec.quantizes_tokens):
             raise ValueError(f"GroupedGemmSm90Config: pdl must be one of {PDL_MODES} "
-                             f"(a warp kernel's; 'weights' with 'mma_fp8' or 'wgmma_rs' only), got "
-                             f"{self.pdl!r} with {self.algorithm!r}")
+                             f"(a warp kernel's; 'weights' with 'mma_fp8' or 'wgmma_rs' "
+                             f"only), got {self.pdl!r} with {self.algorithm!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):

@@ -28,9 +28,9 @@ odd ones in its third); FP8, columns 4t + j and 16 + 4t + j are 32i + 8t + j and
 
 Per K block and step: the lane converts its weight words (FP4: 2 per matrix), one
 ``wgmma.fence``, an MMA per matrix into fresh f32 registers and a commit; then it waits for
-the step before (the next step's conversion and MMAs overlap these), whose results it adds:
-then, as "mma_fp8", FP4 steps are scaled by their rows' E8M0 scale blocks into the K block's
-sums (FP8: the 4 steps added), which the tokens' scales add into the accumulators.
+the previous step's MMAs (this step's run on meanwhile) and adds their results as
+"mma_fp8" does: FP4 scaled by the rows' E8M0 scale block into the K block's sums (FP8 added
+as they are), which the tokens' scales then add into the accumulators.
 
 Constraints: those of "mma_fp8" (weights FP4 or FP8, block_n = 8). Ablations: "mma_fp8"'s;
 "no_mma" keeps the conversion and replaces the MMAs by one integer op per register.
