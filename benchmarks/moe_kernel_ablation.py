@@ -4,10 +4,11 @@ device copy for the achievable HBM bandwidth. Decode sizes also run the warp-lev
 "mma_sync" kernel, all its ablations (``KERNELS["mma_sync"].ablations``) and stage depths.
 
     source .device/setup.sh && python3 benchmarks/moe_kernel_ablation.py [TOKENS] [--warp-only]
+        [--only wgmma_coop,wgmma_fp8_coop]
     python3 benchmarks/moe_kernel_ablation.py --tiny        # dry run (CPU): variants, no launch
 
 TOKENS: comma-separated token counts (default 1,8,64,4096); --warp-only: only the
-"mma_sync" variants (decode sizes). Prefill sizes also run "wgmma_fp8" (FP8 WGMMAs) and
+"mma_sync" variants (decode sizes); --only: only the variants of these algorithms. Prefill sizes also run "wgmma_fp8" (FP8 WGMMAs) and
 "wgmma_coop" (two math warpgroups), their ablations and stage depths; sizes between (64 < T
 < 2048, e.g. 128,256,512,1024) run every kernel on the same rows: the decode/prefill
 crossover for ``choose_config``. Every variant is a ``GroupedGemmSm90Config`` value (from
@@ -60,7 +61,7 @@ def variants(rows, dims, tokens, warp_only):
                               dims.experts, FMT, (dims.dim, dims.moe_inter_dim), simulate=True)
         out = [base, dataclasses.replace(base, block_n=64, num_stages=4), PREFILL_FP8_CONFIG,
                warp, dataclasses.replace(warp, algorithm="mma_sync"),
-               config(prefill_algorithm="wgmma_coop")]
+               config(prefill_algorithm="wgmma_coop"), config(prefill_algorithm="wgmma_fp8_coop")]
     else:
         out += [dataclasses.replace(base, block_n=64, num_stages=4)]
         # Two math warpgroups per CTA: as shipped, the same ablations, 2 stages.
@@ -72,6 +73,12 @@ def variants(rows, dims, tokens, warp_only):
         fp8 = config(prefill_algorithm="wgmma_fp8")
         out += [fp8] + [dataclasses.replace(fp8, ablation=a) for a in ("no_dequant", "no_mma")]
         out += [dataclasses.replace(fp8, num_stages=s) for s in (4, 5)]
+        # FP8 WGMMAs with the conversion in two math warpgroups: as shipped, its ablations,
+        # fewer stages.
+        fp8_coop = config(prefill_algorithm="wgmma_fp8_coop")
+        out += [fp8_coop] + [dataclasses.replace(fp8_coop, ablation=a) for a in (
+            "no_dequant", "no_mma", "no_dequant+no_mma")]
+        out += [dataclasses.replace(fp8_coop, num_stages=s) for s in (3, 4)]
     return out
 
 
@@ -80,6 +87,8 @@ def main(argv=None):
     p.add_argument("tokens", nargs="?", default="1,8,64,4096",
                    help="comma-separated token counts")
     p.add_argument("--warp-only", action="store_true", help="only the warp-kernel variants")
+    p.add_argument("--only", default="",
+                   help="comma-separated algorithms: only their variants (e.g. wgmma_coop)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny dims (without a GPU: the variants and launch arguments are "
                         "built, nothing is launched)")
@@ -99,7 +108,12 @@ def main(argv=None):
         xa, ea, wa = cases.assignment_rows(case.x, case.idx, case.w)
         nbytes = cases.touched_groups(case.idx) * cases.bytes_per_group(p["w1"], p["w3"])
         flops = cases.moe_flops(ea.size, dims, mats=2)
+        only = set(filter(None, args.only.split(",")))
+        seen = set()
         for config in variants(ea.size, dims, tokens, args.warp_only):
+            if (only and config.algorithm not in only) or config in seen:
+                continue
+            seen.add(config)
             up, up_args = cases.grouped_launch(xa, ea, p["w1"], w_up=p["w3"], row_weights=wa,
                                                config=config, simulate=True)
             if dry:

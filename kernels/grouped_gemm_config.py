@@ -10,6 +10,7 @@ the same arguments and outputs; ``KERNELS`` is their table:
 | ``"wgmma"`` | ``grouped_gemm_sm90_wgmma`` | prefill (and decode on request) | cp.async producer warpgroup, weights dequantised into a shared-memory A tile, WGMMA |
 | ``"wgmma_fp8"`` | ``grouped_gemm_sm90_wgmma_fp8`` | prefill | "wgmma" on FP8 WGMMAs, FP4 scales folded into e4m3 codes |
 | ``"wgmma_coop"`` | ``grouped_gemm_sm90_wgmma_coop`` | prefill | "wgmma" with 128 weight rows per CTA, two math warpgroups converting and multiplying 64 each |
+| ``"wgmma_fp8_coop"`` | ``grouped_gemm_sm90_wgmma_fp8_coop`` | prefill | "wgmma_fp8" with the CTA of "wgmma_coop": the two math warpgroups convert (FP4 fold) and run FP8 WGMMAs |
 | ``"mma_sync"`` | ``grouped_gemm_sm90_mma_sync`` | decode (8 rows) | every warp streams 16 weight rows, converts them in registers, warp-level bf16 MMAs |
 | ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
 | ``"wgmma_rs"`` | ``grouped_gemm_sm90_wgmma_rs`` | decode (8 rows) | "mma_fp8" on warpgroup FP8 MMAs (weights as register A operands, tokens by descriptor) |
@@ -111,7 +112,15 @@ KERNELS = {spec.algorithm: spec for spec in (
     KernelSpec("wgmma_coop", "grouped_gemm_sm90_wgmma_coop", "GroupedGemmWgmmaCoopSm90", "any",
                False, ("fp4", "fp8"), 128, False,
                ("no_load", "no_token_load", "no_dequant", "no_mma")),
+    KernelSpec("wgmma_fp8_coop", "grouped_gemm_sm90_wgmma_fp8_coop",
+               "GroupedGemmWgmmaFp8CoopSm90", "any", True, ("fp4", "fp8"), 128, False,
+               ("no_dequant", "no_mma")),
 )}
+# The FP8 WGMMA kernels: token codes + scales, an even number of K blocks (two chains per
+# iteration), block_n <= FP8_WGMMA_MAX_BLOCK_N.
+FP8_WGMMA_ALGORITHMS = ("wgmma_fp8", "wgmma_fp8_coop")
+# Two math warpgroups of BLOCK_M rows each: output features a multiple of COOP_ROWS.
+COOP_ALGORITHMS = ("wgmma_coop", "wgmma_fp8_coop")
 # "wgmma_coop": weight rows per CTA and matrix (two math warpgroups of BLOCK_M).
 COOP_ROWS = 2 * BLOCK_M
 ALGORITHMS = tuple(KERNELS)
@@ -166,9 +175,9 @@ class GroupedGemmSm90Config:
         if spec.tiles == "decode" and self.block_n != WARP_TOKENS:
             raise ValueError(f"GroupedGemmSm90Config: algorithm {self.algorithm!r} takes "
                              f"block_n {WARP_TOKENS}, got {self.block_n}")
-        if self.algorithm == "wgmma_fp8" and self.block_n > spec.max_block_n:
-            raise ValueError(f"GroupedGemmSm90Config: algorithm 'wgmma_fp8' takes block_n <= "
-                             f"{spec.max_block_n}, got {self.block_n}")
+        if self.algorithm in FP8_WGMMA_ALGORITHMS and self.block_n > spec.max_block_n:
+            raise ValueError(f"GroupedGemmSm90Config: algorithm {self.algorithm!r} takes "
+                             f"block_n <= {spec.max_block_n}, got {self.block_n}")
         if self.num_stages < spec.min_stages:
             raise ValueError(f"GroupedGemmSm90Config: num_stages must be >= "
                              f"{spec.min_stages} for {self.algorithm!r}, got {self.num_stages}")
@@ -215,6 +224,13 @@ class GroupedGemmSm90Config:
             stage = (mats * BLOCK_M * (ROW_BYTES[weight_format] + BLOCK_K + 4 + 8)
                      + self.block_n * (BLOCK_K + 4))
             return self.num_stages * stage + 3072
+        if self.algorithm == "wgmma_fp8_coop":   # grouped_gemm_sm90_wgmma_fp8_coop
+            # 128 weight rows per stage (gated: 64 of each matrix), the token codes and
+            # scales; A tiles per (warpgroup, parity); gated, the up sums handed over.
+            stage = COOP_ROWS * (ROW_BYTES[weight_format] + 4 + 4) + self.block_n * (BLOCK_K + 4)
+            a_tiles = 2 * 2 * BLOCK_M * BLOCK_K
+            handoff = BLOCK_M * self.block_n * 4 if gated else 0
+            return self.num_stages * stage + a_tiles + handoff + 3072
         cta_rows = COOP_ROWS if self.algorithm == "wgmma_coop" else BLOCK_M
         raw = mats * cta_rows * ROW_BYTES[weight_format] + mats * cta_rows * 4
         x_tile = self.block_n * BLOCK_K * 2
@@ -233,16 +249,16 @@ class GroupedGemmSm90Config:
         if weight_format not in self.spec.weight_formats:
             return False, (f"weight format {weight_format!r} (algorithm {self.algorithm!r} "
                            f"takes {'/'.join(self.spec.weight_formats)})")
-        if self.algorithm == "wgmma_fp8" and (k_in // BLOCK_K) % 2:
-            return False, (f"input features {k_in} (algorithm 'wgmma_fp8' needs an even "
-                           f"number of {BLOCK_K}-column blocks)")
+        if self.algorithm in FP8_WGMMA_ALGORITHMS and (k_in // BLOCK_K) % 2:
+            return False, (f"input features {k_in} (algorithm {self.algorithm!r} needs an "
+                           f"even number of {BLOCK_K}-column blocks)")
         if self.block_n % 8 or not 8 <= self.block_n <= (128 if gated else 256):
             return False, f"block_n {self.block_n} (a multiple of 8, <= {128 if gated else 256})"
         if n_out % BLOCK_M:
             return False, f"output features {n_out} (the kernel needs a multiple of {BLOCK_M})"
-        if self.algorithm == "wgmma_coop" and n_out % COOP_ROWS:
-            return False, (f"output features {n_out} (algorithm 'wgmma_coop' needs a multiple "
-                           f"of {COOP_ROWS})")
+        if self.algorithm in COOP_ALGORITHMS and n_out % COOP_ROWS:
+            return False, (f"output features {n_out} (algorithm {self.algorithm!r} needs a "
+                           f"multiple of {COOP_ROWS})")
         if k_in % BLOCK_K:
             return False, f"input features {k_in} (the kernel needs a multiple of {BLOCK_K})"
         if weight_format == "fp8" and n_out % 128:
@@ -536,8 +552,10 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
             and not fp8_ok:
         decode_algorithm = "mma_sync"
     if not fp8_ok or any((k // BLOCK_K) % 2 for k in k_ins):
-        decode_algorithm = "wgmma" if decode_algorithm == "wgmma_fp8" else decode_algorithm
-        prefill_algorithm = "wgmma" if prefill_algorithm == "wgmma_fp8" else prefill_algorithm
+        # The FP8 WGMMA kernels become their bf16 counterparts.
+        fallback = {"wgmma_fp8": "wgmma", "wgmma_fp8_coop": "wgmma_coop"}
+        decode_algorithm = fallback.get(decode_algorithm, decode_algorithm)
+        prefill_algorithm = fallback.get(prefill_algorithm, prefill_algorithm)
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
         if num_rows <= 2 * WARP_TOKENS:
@@ -553,10 +571,17 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
         return dataclasses.replace(config, pdl="start") if pdl else config
     algorithm = decode_algorithm if decode else prefill_algorithm
-    if algorithm == "wgmma_coop" and (weight_format not in KERNELS[algorithm].weight_formats
-                                      or any(n % COOP_ROWS for n in n_outs)):
+    if algorithm in COOP_ALGORITHMS and (weight_format not in KERNELS[algorithm].weight_formats
+                                         or any(n % COOP_ROWS for n in n_outs)):
         algorithm = "wgmma"
-    if algorithm == "wgmma_fp8":
+    if algorithm == "wgmma_fp8_coop":
+        # One accumulator and two block accumulators per math thread: 128-row tiles fit.
+        config = dataclasses.replace(
+            MID_CONFIG if decode or num_rows <= MID_ROWS_PER_EXPERT * num_groups
+            else PREFILL_CONFIG, algorithm=algorithm, num_stages=8)
+        if decode:
+            config = dataclasses.replace(config, block_n=DECODE_CONFIG.block_n)
+    elif algorithm == "wgmma_fp8":
         config = PREFILL_FP8_CONFIG
         if decode:
             config = dataclasses.replace(config, block_n=DECODE_CONFIG.block_n)

@@ -14,11 +14,13 @@ from .grouped_gemm_sm90_mma_sync import GroupedGemmMmaSyncSm90
 from .grouped_gemm_sm90_wgmma import GroupedGemmWgmmaSm90
 from .grouped_gemm_sm90_wgmma_coop import GroupedGemmWgmmaCoopSm90
 from .grouped_gemm_sm90_wgmma_fp8 import GroupedGemmWgmmaFp8Sm90
+from .grouped_gemm_sm90_wgmma_fp8_coop import GroupedGemmWgmmaFp8CoopSm90
 from .grouped_gemm_sm90_wgmma_rs import GroupedGemmWgmmaRsSm90
 
 KERNEL_CLASSES = {cls.__name__: cls for cls in (
     GroupedGemmWgmmaSm90, GroupedGemmWgmmaFp8Sm90, GroupedGemmMmaSyncSm90, GroupedGemmMmaFp8Sm90,
-    GroupedGemmMmaFp8StreamSm90, GroupedGemmWgmmaCoopSm90, GroupedGemmWgmmaRsSm90)}
+    GroupedGemmMmaFp8StreamSm90, GroupedGemmWgmmaCoopSm90, GroupedGemmWgmmaRsSm90,
+    GroupedGemmWgmmaFp8CoopSm90)}
 if {spec.class_name for spec in KERNELS.values()} != set(KERNEL_CLASSES):
     raise ImportError("grouped_gemm_config.KERNELS and the launcher's kernel classes differ")
 

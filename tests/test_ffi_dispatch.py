@@ -92,7 +92,7 @@ def test_environment_parses_into_a_policy(value, op, expected):
     ({"DSV4_MOE_ALGORITHM": "simt"}, r"DSV4_MOE_ALGORITHM='simt': must be one of \('wgmma'"),
     ({"DSV4_MOE_PREFILL_ALGORITHM": "mma_sync"},
      r"DSV4_MOE_PREFILL_ALGORITHM='mma_sync': must be one of \('wgmma', 'wgmma_fp8', "
-     r"'wgmma_coop'\)"),
+     r"'wgmma_coop', 'wgmma_fp8_coop'\)"),
     ({"DSV4_MOE_SPLIT_K": "0"}, r"DSV4_MOE_SPLIT_K='0': must be an integer in \[1, 8\]"),
     ({"DSV4_MOE_SPLIT_K": "x"}, "DSV4_MOE_SPLIT_K='x'"),
     ({"DSV4_MOE_SPLIT_K": "99"}, "DSV4_MOE_SPLIT_K='99'"),
@@ -121,9 +121,11 @@ def test_kernel_variables_parse_into_the_grouped_gemm_policy():
      "KernelPolicy: sparse_attention must be a SparseAttentionSm90Config or None, got tuple"),
     (lambda: GroupedGemmPolicy(decode_algorithm="simt"), ValueError,
      r"GroupedGemmPolicy: decode_algorithm must be one of \('wgmma', 'mma_sync', 'mma_fp8', "
-     r"'wgmma_rs', 'mma_fp8_stream', 'wgmma_fp8', 'wgmma_coop'\), got 'simt'"),
+     r"'wgmma_rs', 'mma_fp8_stream', 'wgmma_fp8', 'wgmma_coop', 'wgmma_fp8_coop'\), got "
+     r"'simt'"),
     (lambda: GroupedGemmPolicy(prefill_algorithm="mma_fp8"), ValueError,
-     r"prefill_algorithm must be one of \('wgmma', 'wgmma_fp8', 'wgmma_coop'\), got 'mma_fp8'"),
+     r"prefill_algorithm must be one of \('wgmma', 'wgmma_fp8', 'wgmma_coop', "
+     r"'wgmma_fp8_coop'\), got 'mma_fp8'"),
     (lambda: GroupedGemmPolicy(split_k=0), ValueError,
      r"split_k must be None \(automatic\) or an integer in \[1, 8\], got 0"),
     (lambda: KernelPolicy.coerce(3.0), TypeError, "implementation must be None, 'xla', 'cute'"),

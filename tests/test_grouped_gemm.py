@@ -201,15 +201,17 @@ def test_cute_matches_the_reference(name, tokens, fmt, simulate):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, tokens", [("wq_b", 4096), ("wo_b", 512), ("shared_w13", 4096),
                                           ("shared_w2", 4096), ("wo_a", 512), ("wkv", 4096)])
-def test_cute_coop_prefill_matches_the_reference(name, tokens):
-    """The dense FP8 linears at prefill sizes on "wgmma_coop" (wkv: 512 output features)."""
+@pytest.mark.parametrize("algorithm", ["wgmma_coop", "wgmma_fp8_coop"])
+def test_cute_coop_prefill_matches_the_reference(name, tokens, algorithm):
+    """The dense FP8 linears at prefill sizes on the two-warpgroup kernels (wkv: 512 output
+    features; wo_a multiplies bf16 rows, so "wgmma_fp8_coop" falls back to "wgmma_coop")."""
     groups, n, k, gated = GPU_SHAPES[name]
     w = _flash_weight("fp8", groups, n, k, 1)
     w_up = _flash_weight("fp8", groups, n, k, 2) if gated else None
     x = jax.random.normal(jax.random.key(tokens), (tokens * groups, k),
                           jnp.float32).astype(jnp.bfloat16)
     kw = dict(swiglu_limit=LIMIT, simulate=name != "wo_a")
-    policy = GroupedGemmPolicy(prefill_algorithm="wgmma_coop")
+    policy = GroupedGemmPolicy(prefill_algorithm=algorithm)
     f = jax.jit(lambda x, w, u: grouped_gemm(x, None, w, w_up=u, implementation="cute",
                                              policy=policy, **kw))
     got, again = f(x, w, w_up), f(x, w, w_up)

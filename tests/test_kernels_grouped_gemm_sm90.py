@@ -541,7 +541,7 @@ def test_grouped_gemm_takes_fp8_codes_exactly_where_the_kernel_reads_them():
     w = jnp.zeros((e, n, k // 2), jnp.uint8)
     s = jnp.zeros((e, n, k // 32), jnp.uint8)
     tiles = tuple(gemm.schedule(jnp.zeros((rows,), jnp.int32), e, 8)[2:])
-    assert support.FP8_CODE_ALGORITHMS == ("mma_fp8_stream", "wgmma_fp8")
+    assert support.FP8_CODE_ALGORITHMS == ("mma_fp8_stream", "wgmma_fp8", "wgmma_fp8_coop")
     stream = support.GroupedGemmSm90Config(block_n=8, num_stages=4,
                                            algorithm="mma_fp8_stream")
     fp8 = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")

@@ -348,6 +348,31 @@ def test_wgmma_coop_prefill_matches_the_reference(dims, fmt, t, routing):
                          policy=GroupedGemmPolicy(prefill_algorithm="wgmma_coop"))
 
 
+# "wgmma_fp8_coop" prefill tiles (FP8 WGMMAs, two math warpgroups that convert): -k fp8_coop.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, fmt, t, routing", PREFILL_COOP_CASES)
+def test_wgmma_fp8_coop_prefill_matches_the_reference(dims, fmt, t, routing):
+    e, _, _, k = DIMS[dims]
+    assert t * (1 if routing == "one_expert" else k) > 16 * e, "not a prefill-size case"
+    check_implementation("cute", dims, fmt, t, routing,
+                         policy=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8_coop"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims, fmt, t, routing", [
+    ("small", "fp4", 4096, "dropped"), ("flash", "fp4", 4096, "random"),
+    ("flash", "fp8", 512, "few_experts"), ("pro", "fp4", 4096, "skewed")])
+def test_wgmma_fp8_coop_equals_wgmma_fp8_bit_for_bit(dims, fmt, t, routing):
+    """Both kernels run the same conversion, the same WGMMA chain per K block and the same
+    promotion order; only who converts and how many rows a CTA holds differ."""
+    case = cases.moe_case(dims, fmt, t, routing)
+    got = cases.moe_experts_jit("cute", case.kw, GroupedGemmPolicy(
+        prefill_algorithm="wgmma_fp8_coop"))(*case.args)
+    want = cases.moe_experts_jit("cute", case.kw, GroupedGemmPolicy(
+        prefill_algorithm="wgmma_fp8"))(*case.args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.gpu
 def test_wgmma_coop_prefill_without_simulation_matches_the_reference():
     check_implementation("cute", "flash", "fp4", 4096, "random", simulate=False,

@@ -14,10 +14,12 @@ from dsv4_jax.params import abstract_params
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 # The kernel classes, named in their ELF: kernels/grouped_gemm_sm90_wgmma.py, kernels/grouped_gemm_sm90_mma_sync.py,
-# kernels/grouped_gemm_sm90_mma_fp8.py, kernels/grouped_gemm_sm90_wgmma_fp8.py.
+# kernels/grouped_gemm_sm90_mma_fp8.py, kernels/grouped_gemm_sm90_wgmma_fp8.py,
+# kernels/grouped_gemm_sm90_wgmma_coop.py, kernels/grouped_gemm_sm90_wgmma_fp8_coop.py.
 MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm90",
               "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90",
-              "wgmma_coop": "GroupedGemmWgmmaCoopSm90"}
+              "wgmma_coop": "GroupedGemmWgmmaCoopSm90",
+              "wgmma_fp8_coop": "GroupedGemmWgmmaFp8CoopSm90"}
 BATCH = 2
 OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
                            "hc_pre": "xla", "hc_split_sinkhorn": "xla",
@@ -55,16 +57,19 @@ def _kernel_supports(cfg, tokens):
                        policy=None)
 
 
+# Prefill tiles run the default prefill kernel, whatever the decode policy names.
+PREFILL_KERNEL = {"fp4": "wgmma_coop", "fp8": "wgmma_coop"}
+
+
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
     ("fp4", 1, ""), ("fp4", PREFILL_TOKENS, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
-    ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync")],
+    ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync"), ("fp8", PREFILL_TOKENS, "")],
     ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-sync",
-         "fp8-decode-mma-sync"])
+         "fp8-decode-mma-sync", "fp8-prefill"])
 def test_model_step_lowers_to_the_moe_kernel(expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
     gemm = GroupedGemmPolicy(decode_algorithm=algorithm) if algorithm else GroupedGemmPolicy()
-    # Prefill tiles run the default prefill kernel, whatever the decode policy names.
-    algorithm = "wgmma_coop" if tokens > 1 else (algorithm or "mma_fp8")
+    algorithm = PREFILL_KERNEL[expert_dtype] if tokens > 1 else (algorithm or "mma_fp8")
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
     # The other ops (attention, the dense linears, the mHC split) on their references: every

@@ -1,0 +1,339 @@
+"""Grouped expert GEMM for prefill tiles on FP8 tensor cores with two math warpgroups:
+``algorithm="wgmma_fp8_coop"`` (sm_90a).
+
+"wgmma_fp8" (``grouped_gemm_sm90_wgmma_fp8``: the same e4m3 token codes and scales, FP4 scale
+fold, FP8 WGMMAs and promotion) with the CTA of "wgmma_coop": 128 weight rows per matrix, a
+producer warpgroup that only copies, and two math warpgroups that each convert their own 64
+rows and multiply them against the shared token codes.
+
+Why (docs/performance.md, "Two math warpgroups" and "Persistent coop"): "wgmma_fp8" halves the
+tensor-core time of "wgmma_coop" but its one producer warpgroup converts every weight byte and
+bounds the launch; "wgmma_coop" spreads the conversion over two warpgroups but multiplies
+bf16. Here the conversion is spread and the WGMMAs are e4m3, so one warpgroup's conversion and
+promotion run while the other's WGMMAs occupy the tensor cores.
+
+Dataflow (384 threads; the producer hands registers to the math warpgroups with
+``setmaxnreg``):
+
+1. WG0, K block ``kb``: cp.async copies of the 128 rows' raw weight bytes per matrix
+   (consecutive threads, consecutive 16-byte chunks), their scale words (thread t: row t), the tile's token codes (16-byte chunks) and token scales
+   into stage ``kb % num_stages``; an mbarrier arrive on their completion.
+2. Math warpgroup w (WG1 + w), two K blocks per iteration: waits for a stage, converts rows
+   [64 w, 64 w + 64) of each matrix into its own e4m3 A tile of that block's parity (thread
+   t: row t / 2, K half t % 2, as "wgmma_fp8"; FP4 codes through the fold tables) and writes
+   the rows' promotion scales, then issues that block's WGMMA chain into a block accumulator
+   of the same parity. The second block's conversion runs under the first block's WGMMAs;
+   the first block's promotion ``acc += blk * w_scale[row] * x_scale[token]`` under the
+   second's. A stage is released after its chain retired and was promoted.
+3. Epilogue: each warpgroup writes its 64 output features of the tile's rows (bf16; SwiGLU x
+   routing weight when gated).
+
+A tile row of a math warpgroup is converted by the warp that holds its accumulator rows
+(row t / 2 of thread t: warp w converts rows 16 w .. 16 w + 15, the rows of its WGMMA
+fragment), so an A tile of parity p is rewritten only after that warp's own wait retired the
+chain that read it; one named barrier per warpgroup and block orders its four warps' stores
+before their WGMMAs.
+
+Constraints: sm_90a; FP4/FP8 weights with the FP8 activation simulation; K a multiple of 256
+(an even number of K blocks); output features a multiple of 128; block_n <= 64 (registers:
+2 block accumulators + 1 accumulator of 64 x block_n f32 per matrix and math thread); ablations
+"no_dequant" (A tiles not written) and "no_mma" (no WGMMA; outputs wrong by design).
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr, pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from .sm90_primitives import cp_async_arrive, store_shared_f32x4
+from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
+from .grouped_gemm_sm90_convert import copy_bytes, e4m3_fold_table, e8m0_f32, \
+    fp4x8_to_e4m3x8_table
+from .grouped_gemm_sm90_wgmma import DEQUANT_BARRIER
+
+HANDOFF_BARRIER = 5     # gated: the up projection's sums are in shared memory (both warpgroups)
+from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, FP4_FOLD_BIAS, GroupedGemmWgmmaFp8Sm90,
+                                          _fence_operands)
+
+
+class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
+    """Static configuration of one compiled kernel (see the module docstring)."""
+
+    MATH_WARPGROUPS = 2
+
+    def __init__(self, weight_format: str, gated: bool, swiglu_limit: float,
+                 config: GroupedGemmSm90Config, scale_group: int = 1):
+        super().__init__(weight_format, gated, swiglu_limit, config, scale_group)
+        # Math warpgroup w multiplies one (matrix, 64-row block): gated, matrix w of the
+        # CTA's 64 rows; ungated, rows [64 w, 64 w + 64) of the one matrix.
+        self.cta_rows = BLOCK_M if gated else 2 * BLOCK_M
+        # A tiles: (math warpgroup, parity of the K block), converted by the math
+        # warpgroups themselves (not with the stage's copies as in "wgmma_fp8").
+        self.a_parity = 2
+        self.a_buffers = self.math_wgs * self.a_parity
+
+    @cute.jit
+    def storage_struct(self, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
+        """Shared memory: per stage the rows' promotion scales (written by the math
+        warpgroups), the token scales, one scale word per weight row and matrix, the raw
+        weight bytes and the token codes; the math warpgroups' A tiles; gated, the up
+        projection's accumulators handed to the gate's warpgroup for the epilogue."""
+        stages, mats, bn, rows = self.num_stages, self.mats, self.block_n, self.cta_rows
+        handoff = BLOCK_M * bn if self.gated else 4
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[Int64, 2 * stages]
+            sWs: cute.struct.Align[cute.struct.MemRange[Float32, stages * mats * rows], 16]
+            sXs: cute.struct.Align[cute.struct.MemRange[Float32, stages * bn], 16]
+            sScale: cute.struct.Align[cute.struct.MemRange[Int32, stages * mats * rows], 16]
+            sUp: cute.struct.Align[cute.struct.MemRange[Float32, handoff], 16]
+            sRaw: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Uint8, stages * mats * rows * self.row_bytes], 128]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sB_layout)], 1024]
+
+        return SharedStorage
+
+    @cute.jit
+    def produce(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,
+                mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32, m_tile: Int32,
+                row0: Int32, rows: Int32, num_k: Int32, storage, sA: cute.Tensor,
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tidx: Int32):
+        """WG0: every K block's copies into the next free stage (no conversion here)."""
+        raw = storage.sRaw.data_ptr().toint()
+        scales = storage.sScale.data_ptr().toint()
+        xs = storage.sXs.data_ptr().toint()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                             self.num_stages)
+        for kb in cutlass.range(num_k, unroll=1):
+            pipe.producer_acquire(state)
+            self.issue_block(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, kb,
+                             state.index, raw, scales, xs, sB, tidx)
+            cp_async_arrive(pipe.producer_get_barrier(state))
+            pipe.producer_commit(state)
+            state.advance()
+        cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def issue_block(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
+                    mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
+                    m_tile: Int32, row0: Int32, rows: Int32, kb: Int32, stage: Int32,
+                    raw: Int32, scales: Int32, xs: Int32, sB: cute.Tensor, tidx: Int32):
+        """Thread ``tidx``'s cp.async copies of K block ``kb`` into ``stage``: 16-byte weight
+        chunks ``tidx + 128 i`` of each matrix's ``cta_rows`` rows, row ``tidx``'s scale
+        word (FP8: thread 0 the row block's word), 16-byte token chunks ``tidx + 128 i``
+        and token ``tidx``'s scale."""
+        bn, cta_rows = self.block_n, self.cta_rows
+        n_out = mWa.shape[1]
+        k_in = mX.shape[1]
+        atom16 = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
+            num_bits_per_copy=128)
+        atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
+        w_row0 = (expert * n_out + m_tile * cta_rows).to(Int64)
+        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)
+        chunks = self.row_bytes // 16             # 16-byte chunks per row and K block
+        rows_per_copy = 128 // chunks
+        for mat in cutlass.range_constexpr(self.mats):
+            w_base = (mWa if mat == 0 else mWb).iterator.toint()
+            s_base = (mSa if mat == 0 else mSb).iterator.toint()
+            # Copy i: row i * rows_per_copy + tidx / chunks, chunk tidx % chunks: consecutive
+            # threads copy consecutive chunks of a row, so each copy instruction reads whole
+            # 32-byte sectors; a running source address (one 64-bit register per matrix).
+            src = (w_base + (w_row0 + tidx // chunks) * w_stride
+                   + (kb * self.row_bytes + (tidx % chunks) * 16).to(Int64))
+            dst = raw + (stage * self.mats + mat) * cta_rows * self.row_bytes + tidx * 16
+            for i in cutlass.range_constexpr(cta_rows * chunks // 128):
+                copy_bytes(atom16, 16, src, dst + i * 128 * 16)
+                src = src + w_stride * rows_per_copy
+            # FP4: the row's 4 scale bytes of this K block; FP8: the aligned 4 bytes holding
+            # this K block's byte of the (one) row block's scale row.
+            slot = (stage * self.mats + mat) * cta_rows + tidx
+            if const_expr(self.weight_format == "fp4"):
+                if tidx < cta_rows:
+                    src = s_base + (w_row0 + tidx) * (k_in // 32) + (kb * 4).to(Int64)
+                    copy_bytes(atom4, 4, src, scales + slot * 4)
+            else:
+                if tidx == 0:
+                    blk_row = (expert * (n_out // 128) + m_tile * cta_rows // 128).to(Int64)
+                    src = s_base + blk_row * (k_in // 128) + ((kb // 4) * 4).to(Int64)
+                    copy_bytes(atom4, 4, src, scales + slot * 4)
+        # Token codes: bn rows x 8 chunks; rows past the tile's count are not copied (their
+        # columns are never stored).
+        sB_vec = cute.flat_divide(sB, (1, CHUNK))[0, None, None, None, None]
+        x_base = mX.iterator.toint()
+        atom_x = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), self.dtype,
+            num_bits_per_copy=128)
+        # Copy i: token row 16 i + tidx / 8, chunk tidx % 8 (only rows < rows <= bn); a
+        # running source address.
+        tr, c = tidx // 8, tidx % 8
+        src = x_base + (row0 + tr).to(Int64) * k_in + (kb * BLOCK_K + c * CHUNK).to(Int64)
+        for i in cutlass.range_constexpr((bn + 15) // 16):
+            if tr + 16 * i < rows:
+                s = cute.make_tensor(cute.make_ptr(self.dtype, src, cute.AddressSpace.gmem,
+                                                   assumed_align=16), cute.make_layout((CHUNK,)))
+                cute.copy(atom_x, s, sB_vec[None, tr + 16 * i, c, stage])
+            src = src + Int64(16 * k_in)
+        if tidx < rows:                   # rows <= bn <= 128
+            src = mXs.iterator.toint() + ((row0 + tidx).to(Int64) * (k_in // BLOCK_K) + kb) * 4
+            copy_bytes(atom4, 4, src, xs + (stage * bn + tidx) * 4)
+
+    @cute.jit
+    def convert_rows(self, raw: Int32, scales: Int32, ws: Int32, stage: Int32, mat: Int32,
+                     row_block: Int32, kb: Int32, wg_tidx: Int32, sA_vec: cute.Tensor,
+                     buf: Int32):
+        """Row ``row_block + wg_tidx / 2`` of matrix ``mat``, K half ``wg_tidx % 2``: raw
+        bytes -> e4m3 codes in A buffer ``buf`` (row ``wg_tidx / 2`` of it); the row's
+        promotion scale -> ``ws``."""
+        r, half = wg_tidx // 2, wg_tidx % 2
+        first = (stage * self.mats + mat) * self.cta_rows       # the matrix's first row slot
+        slot = first + row_block + r
+        row_addr = raw + slot * self.row_bytes
+        if const_expr(self.weight_format == "fp4"):
+            word = cute.make_tensor(cute.make_ptr(Int32, scales + slot * 4,
+                                                  cute.AddressSpace.smem, assumed_align=4),
+                                    cute.make_layout((1,)))[0]
+            s0, s1 = word & 0xFF, (word >> 8) & 0xFF
+            s2, s3 = (word >> 16) & 0xFF, (word >> 24) & 0xFF
+            s01 = s0 if s0 > s1 else s1
+            s23 = s2 if s2 > s3 else s3
+            s_max = s01 if s01 > s23 else s23
+            row_scale = e8m0_f32(s_max) * Float32(1.0 / 64.0)
+            for j in cutlass.range_constexpr(2):             # sub-blocks 2 half + j
+                s_i = (word >> (16 * half + 8 * j)) & 0xFF
+                fold = s_i - s_max + FP4_FOLD_BIAS
+                fold = fold if fold > 0 else Int32(0)
+                t_lo, t_hi = e4m3_fold_table(e8m0_f32(fold))
+                codes = cute.make_tensor(
+                    cute.make_ptr(Int32, row_addr + half * 32 + j * 16, cute.AddressSpace.smem,
+                                  assumed_align=16), cute.make_layout((4,))).load()
+                for c in cutlass.range_constexpr(2):         # 16 codes -> one 16 B chunk
+                    out = cute.make_rmem_tensor((4,), Int32)
+                    for w in cutlass.range_constexpr(2):
+                        o = fp4x8_to_e4m3x8_table(codes[2 * c + w], t_lo, t_hi)
+                        out[2 * w] = o[0]
+                        out[2 * w + 1] = o[1]
+                    if const_expr(not self.leave_out["no_dequant"]):
+                        sA_vec[None, r, half * 4 + j * 2 + c, buf].store(
+                            out.load().bitcast(self.dtype))
+        else:
+            word = cute.make_tensor(cute.make_ptr(Int32, scales + first * 4,   # thread 0's
+                                                  cute.AddressSpace.smem, assumed_align=4),
+                                    cute.make_layout((1,)))[0]
+            row_scale = e8m0_f32((word >> (8 * (kb % 4))) & 0xFF)
+            for c in cutlass.range_constexpr(4):             # e4m3 bytes as stored
+                codes = cute.make_tensor(
+                    cute.make_ptr(Int32, row_addr + half * 64 + c * 16, cute.AddressSpace.smem,
+                                  assumed_align=16), cute.make_layout((4,))).load()
+                if const_expr(not self.leave_out["no_dequant"]):
+                    sA_vec[None, r, half * 4 + c, buf].store(codes.bitcast(self.dtype))
+        if half == 0:
+            cute.make_tensor(cute.make_ptr(Float32, ws + slot * 4, cute.AddressSpace.smem,
+                                           assumed_align=4), cute.make_layout((1,)))[0] = \
+                row_scale
+
+    @cute.jit
+    def consume(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
+                rows: Int32, num_k: Int32, wg_tidx: Int32, storage, sA: cute.Tensor,
+                sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma,
+                math_wg: Int32):
+        """Math warpgroup ``math_wg``: per iteration two K blocks, each converted, then its
+        chain issued; the first promoted under the second's chain; then the epilogue (gated:
+        the up projection's warpgroup hands its sums to the gate's)."""
+        raw = storage.sRaw.data_ptr().toint()
+        scales = storage.sScale.data_ptr().toint()
+        ws = storage.sWs.data_ptr().toint()
+        xs = storage.sXs.data_ptr().toint()
+        thr_mma = tiled_mma.get_slice(wg_tidx)
+        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        shape_c = thr_mma.partition_shape_C((BLOCK_M, self.block_n))
+        acc = thr_mma.make_fragment_C(shape_c)
+        blk = [thr_mma.make_fragment_C(shape_c) for _ in range(2)]
+        acc.fill(0.0)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, self.block_n)))
+        sA_vec = cute.flat_divide(sA, (1, CHUNK))[0, None, None, None, None]
+        num_kk = cute.size(tCrA, mode=[2])
+        dequant_barrier = DEQUANT_BARRIER + 2 * math_wg
+        mat, row_block = Int32(0), math_wg * BLOCK_M
+        if const_expr(self.gated):
+            mat, row_block = math_wg, Int32(0)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             self.num_stages)
+        # As "wgmma_fp8": every wait retires a chain of its own iteration (a ring across
+        # iterations makes ptxas serialize all WGMMAs, C7514).
+        for kb2 in cutlass.range(num_k // 2, unroll=1):
+            stages = []
+            for p in cutlass.range_constexpr(2):
+                pipe.consumer_wait(state)
+                self.convert_rows(raw, scales, ws, state.index, mat, row_block, 2 * kb2 + p,
+                                  wg_tidx, sA_vec, math_wg * 2 + p)
+                # Ordinary stores (A tiles) and cp.async stores (token codes) are read by
+                # the WGMMAs (async proxy); the warpgroup's four warps wrote the A tiles.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=dequant_barrier, number_of_threads=128)
+                _fence_operands([blk[p]])        # the last promotion's reads come first
+                cute.nvgpu.warpgroup.fence()
+                for kk in cutlass.range_constexpr(0 if self.leave_out["no_mma"] else num_kk):
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kk > 0)
+                    cute.gemm(tiled_mma, blk[p], tCrA[None, None, kk, math_wg * 2 + p],
+                              tCrB[None, None, kk, state.index], blk[p])
+                cute.nvgpu.warpgroup.commit_group()
+                stages.append(state.clone())
+                state.advance()
+            for p in cutlass.range_constexpr(2):
+                cute.nvgpu.warpgroup.wait_group(1 - p)
+                _fence_operands([blk[p]])        # read only after the wait
+                self.promote_rows(acc, blk[p], tCcC, ws, xs, stages[p].index, mat, row_block)
+                pipe.consumer_release(stages[p])
+        if const_expr(self.gated):
+            self.gated_epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc, wg_tidx, math_wg,
+                                storage.sUp.data_ptr().toint())
+        else:
+            self.epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc, acc, math_wg)
+
+    @cute.jit
+    def gated_epilogue(self, mRw: cute.Tensor, mOut: cute.Tensor, m_tile: Int32, row0: Int32,
+                       rows: Int32, thr_mma: cute.ThrMma, acc: cute.Tensor, wg_tidx: Int32,
+                       math_wg: Int32, up: Int32):
+        """The up projection's warpgroup (1) stores its sums in shared memory, element i of
+        thread t at ``4 (128 (i / 4) + t) + i % 4`` (16-byte stores, consecutive threads on
+        consecutive addresses); the gate's (0), after a barrier of both, reads the same
+        positions and writes the SwiGLU x routing weight outputs."""
+        count = cute.size(acc)
+        if math_wg == 1:
+            for q in cutlass.range_constexpr(count // 4):
+                store_shared_f32x4(up + (q * 128 + wg_tidx) * 16,
+                                   [acc[4 * q + e] for e in range(4)])
+        cute.arch.barrier(barrier_id=HANDOFF_BARRIER, number_of_threads=256)
+        if math_wg == 0:
+            acc_up = cute.make_rmem_tensor(acc.layout, Float32)
+            for q in cutlass.range_constexpr(count // 4):
+                words = cute.make_tensor(
+                    cute.make_ptr(Float32, up + (q * 128 + wg_tidx) * 16,
+                                  cute.AddressSpace.smem, assumed_align=16),
+                    cute.make_layout((4,))).load()
+                for e in cutlass.range_constexpr(4):
+                    acc_up[4 * q + e] = words[e]
+            self.epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc, acc_up, 0)
+
+    def promote_rows(self, acc: cute.Tensor, blk: cute.Tensor, tCcC: cute.Tensor, ws: Int32,
+                     xs: Int32, stage: Int32, mat: Int32, row_block: Int32):
+        """``acc[m, n] += blk[m, n] * w_scale[row_block + m] * x_scale[n]`` for one K
+        block's stage of matrix ``mat`` (traced inline)."""
+        bn = self.block_n
+        x_scales = cute.make_tensor(
+            cute.make_ptr(Float32, xs + stage * bn * 4, cute.AddressSpace.smem,
+                          assumed_align=16), cute.make_layout((bn,)))
+        first = (stage * self.mats + mat) * self.cta_rows + row_block
+        w_scales = cute.make_tensor(
+            cute.make_ptr(Float32, ws + first * 4, cute.AddressSpace.smem, assumed_align=16),
+            cute.make_layout((BLOCK_M,)))
+        for i in range(cute.size(acc)):
+            m, n = tCcC[i][0], tCcC[i][1]
+            acc[i] = acc[i] + blk[i] * (w_scales[m] * x_scales[n])
