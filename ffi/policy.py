@@ -45,9 +45,11 @@ class GroupedGemmPolicy:
       loaded into registers; the same fallback), ``"wgmma_rs"`` (its conversion feeding
       warpgroup FP8 MMAs; the same fallback), ``"mma_sync"``, ``"wgmma"`` or
       ``"wgmma_fp8"``.
-    prefill_algorithm: kernel for prefill-size inputs: ``"wgmma"``, ``"wgmma_coop"`` (two
-      math warpgroups; FP4/FP8 weights and output features a multiple of 128, else
-      ``"wgmma"``) or ``"wgmma_fp8"``.
+    prefill_algorithm: kernel for prefill-size inputs: ``"wgmma_fp8_coop"`` (the default: FP8
+      WGMMAs, two math warpgroups that convert; without the FP8 activation simulation or with
+      an odd number of 128-column K blocks ``"wgmma_coop"``), ``"wgmma_coop"`` (two math
+      warpgroups, bf16 WGMMAs; FP4/FP8 weights and output features a multiple of 128, else
+      ``"wgmma"``), ``"wgmma"`` or ``"wgmma_fp8"``.
     split_k: K split of the decode kernels for at most two tiles of rows: None (automatic:
       split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``), or
       that many splits (1: none).

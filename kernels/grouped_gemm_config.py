@@ -436,11 +436,12 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
 
 
 # The algorithms a policy names by default: "mma_fp8" for decode tiles ("mma_sync" where it
-# does not apply: BF16 weights or no FP8 activation simulation), "wgmma_coop" for prefill
-# tiles ("wgmma" where it does not apply: BF16 weights, output features not a multiple of
-# 128; "wgmma_fp8" is exact but slower at large T). Measured choices: docs/performance.md.
+# does not apply: BF16 weights or no FP8 activation simulation), "wgmma_fp8_coop" for prefill
+# tiles ("wgmma_coop" where it does not apply: no FP8 activation simulation, an odd number of
+# K blocks; "wgmma" for BF16 weights and output features not a multiple of 128). Measured
+# choices: docs/performance.md.
 DEFAULT_DECODE_ALGORITHM = "mma_fp8"
-DEFAULT_PREFILL_ALGORITHM = "wgmma_coop"
+DEFAULT_PREFILL_ALGORITHM = "wgmma_fp8_coop"
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:

@@ -124,7 +124,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
         assert config.algorithm == "mma_sync" and config.block_n == 8
         assert 2 * config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, config)
         assert support.choose_config(8192, 256, fmt, decode_algorithm="mma_sync").algorithm \
-            == ("wgmma" if fmt == "bf16" else "wgmma_coop")
+            == ("wgmma" if fmt == "bf16" else "wgmma_fp8_coop")
     with pytest.raises(ValueError, match="decode_algorithm"):
         support.choose_config(8, 256, "fp4", decode_algorithm="simt")
 
@@ -510,8 +510,8 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
     picks = {rows: support.choose_config(rows, e, "fp4") for rows in
              (6, 16 * e, 16 * e + 1, 40 * e, 40 * e + 1, 96 * e)}
     assert [(c.algorithm, c.block_n) for c in picks.values()] == [
-        ("mma_fp8", 8), ("mma_fp8", 8), ("wgmma_coop", 64), ("wgmma_coop", 64),
-        ("wgmma_coop", 128), ("wgmma_coop", 128)]
+        ("mma_fp8", 8), ("mma_fp8", 8), ("wgmma_fp8_coop", 64), ("wgmma_fp8_coop", 64),
+        ("wgmma_fp8_coop", 128), ("wgmma_fp8_coop", 128)]
     assert support.choose_config(96 * e, e, "bf16").block_n == 64
     assert support.choose_config(12 * e, e, "fp4", fp8_activations=False).algorithm \
         == "mma_sync"
@@ -523,7 +523,7 @@ def test_mma_fp8_falls_back_where_it_does_not_apply():
     assert pick(8, "fp4") == "mma_fp8"
     assert pick(8, "bf16") == "mma_sync"
     assert pick(8, "fp4", fp8_activations=False) == "mma_sync"
-    assert pick(8192, "fp4") == "wgmma_coop"
+    assert pick(8192, "fp4") == "wgmma_fp8_coop"
     config = support.GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_fp8")
     ok, why = config.is_supported(weight_format="bf16", gated=True, n_out=256, k_in=512,
                                   x_dtype="bfloat16", num_tiles=8)
@@ -639,5 +639,6 @@ def test_dense_launches_with_few_wgmma_ctas_take_warp_tiles():
     warp kernels' 8-row tiles run (128 CTAs); a 32768-wide one keeps WGMMA tiles."""
     pick = lambda n: support.choose_config(64, 1, "fp8", n_outs=(n,), k_ins=(4096,))
     assert pick(1024).algorithm == "mma_fp8" and pick(1024).block_n == 8
-    assert pick(32768).algorithm == "wgmma_coop"
-    assert support.choose_config(64, 1, "fp8", k_ins=(4096,)).algorithm == "wgmma_coop"  # no N
+    assert pick(32768).algorithm == "wgmma_fp8_coop"
+    assert support.choose_config(64, 1, "fp8", k_ins=(4096,)).algorithm \
+        == "wgmma_fp8_coop"     # no N

@@ -129,7 +129,7 @@ def test_prefill_algorithm_selection():
                                 k_ins=(4096, 2048))
     assert cfg.algorithm == "wgmma_fp8" and cfg.block_n == support.FP8_WGMMA_MAX_BLOCK_N
     assert cfg.smem_bytes("fp4", True) <= support.SMEM_BYTES
-    assert support.choose_config(4096 * 6, 256, "fp4").algorithm == "wgmma_coop"  # default
+    assert support.choose_config(4096 * 6, 256, "fp4").algorithm == "wgmma_fp8_coop"  # default
     # Fallbacks to "wgmma": BF16 weights, simulation off, an odd number of K blocks.
     for kw in (dict(weight_format="bf16"), dict(fp8_activations=False),
                dict(k_ins=(4096, 384))):

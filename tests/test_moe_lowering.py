@@ -57,8 +57,10 @@ def _kernel_supports(cfg, tokens):
                        policy=None)
 
 
-# Prefill tiles run the default prefill kernel, whatever the decode policy names.
-PREFILL_KERNEL = {"fp4": "wgmma_coop", "fp8": "wgmma_coop"}
+# Prefill tiles run the default prefill kernel, whatever the decode policy names: FP8 WGMMAs
+# ("wgmma_fp8_coop") where every launch has an even number of 128-column K blocks (the FP8
+# tiny config), else the bf16 two-warpgroup kernel (the FP4 tiny config: 128 features).
+PREFILL_KERNEL = {"fp4": "wgmma_coop", "fp8": "wgmma_fp8_coop"}
 
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
