@@ -39,7 +39,7 @@ def variants(rows, dims, tokens, warp_only):
     def config(**policy):
         return resolve_config(GroupedGemmPolicy(**policy), rows, dims.experts, FMT,
                               (dims.dim, dims.moe_inter_dim), simulate=True)
-    base = config(decode_algorithm="wgmma")
+    base = config(decode_algorithm="wgmma", prefill_algorithm="wgmma")   # one math warpgroup
     # Joined ablations isolate one side: no loads (the math warpgroup alone), no
     # conversion or MMA (the producer and the pipeline alone), nothing (the pipeline).
     out = [] if warp_only else [base] + [dataclasses.replace(base, ablation=a) for a in (
