@@ -15,6 +15,12 @@ if "CUTE_DSL_DUMP_DIR" not in os.environ:
     _dump_dir = tempfile.mkdtemp(prefix="dsv4_cute_dump_")
     atexit.register(shutil.rmtree, _dump_dir, ignore_errors=True)
     os.environ["CUTE_DSL_DUMP_DIR"] = _dump_dir
+# The kept PTX is named after the launcher and its argument types, not its static config:
+# two xdist workers compiling variants of the same signature at once would read each
+# other's file, so each worker keeps its own (the controller's folder, then its id).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["CUTE_DSL_DUMP_DIR"] = os.path.join(os.environ["CUTE_DSL_DUMP_DIR"],
+                                                   os.environ["PYTEST_XDIST_WORKER"])
 os.makedirs(os.environ["CUTE_DSL_DUMP_DIR"], exist_ok=True)
 # No persistent compilation cache in tests: a run must cost what it costs on a fresh machine
 # (measured: sharing programs between tests through it saved nothing -- 13 hits in 2254
