@@ -46,13 +46,23 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
-from .sm90_primitives import cp_async_arrive, store_shared_f32x4
+from .sm90_primitives import cp_async_arrive, store_shared_b32x4, store_shared_f32x4
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
 from .grouped_gemm_sm90_convert import copy_bytes, e4m3_fold_table, e8m0_f32, \
     fp4x8_to_e4m3x8_table
 from .grouped_gemm_sm90_wgmma import DEQUANT_BARRIER
 
 HANDOFF_BARRIER = 5     # gated: the up projection's sums are in shared memory (both warpgroups)
+A_TILE_BYTES = BLOCK_M * BLOCK_K     # one e4m3 A tile
+
+
+def a_chunk_offset(buf, row, chunk):
+    """Byte offset in the A tiles of 16-byte chunk ``chunk`` (K columns 16 chunk ..
+    16 chunk + 15) of row ``row`` of tile ``buf``: K-major rows of 128 bytes with the
+    WGMMA's 128-byte swizzle (the chunk index XOR the row mod 8), as
+    ``make_smem_layout_a`` lays out e4m3 tiles of K = 128 (tests/ replay it against CuTe's
+    layout). Works on ints and kernel integers alike."""
+    return buf * A_TILE_BYTES + row * BLOCK_K + ((chunk ^ (row & 7)) << 4)
 from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, FP4_FOLD_BIAS, GroupedGemmWgmmaFp8Sm90,
                                           _fence_operands)
 
@@ -185,11 +195,10 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
 
     @cute.jit
     def convert_rows(self, raw: Int32, scales: Int32, ws: Int32, stage: Int32, mat: Int32,
-                     row_block: Int32, kb: Int32, wg_tidx: Int32, sA_vec: cute.Tensor,
-                     buf: Int32):
+                     row_block: Int32, kb: Int32, wg_tidx: Int32, a_tiles: Int32, buf: Int32):
         """Row ``row_block + wg_tidx / 2`` of matrix ``mat``, K half ``wg_tidx % 2``: raw
-        bytes -> e4m3 codes in A buffer ``buf`` (row ``wg_tidx / 2`` of it); the row's
-        promotion scale -> ``ws``."""
+        bytes -> e4m3 codes in A tile ``buf`` at ``a_tiles`` (row ``wg_tidx / 2`` of it);
+        the row's promotion scale -> ``ws``."""
         r, half = wg_tidx // 2, wg_tidx % 2
         first = (stage * self.mats + mat) * self.cta_rows       # the matrix's first row slot
         slot = first + row_block + r
@@ -219,8 +228,11 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                         out[2 * w] = o[0]
                         out[2 * w + 1] = o[1]
                     if const_expr(not self.leave_out["no_dequant"]):
-                        sA_vec[None, r, half * 4 + j * 2 + c, buf].store(
-                            out.load().bitcast(self.dtype))
+                        # As 32-bit words at the swizzled address: a bitcast to 16 e4m3
+                        # values compiled to byte extracts and re-packs before the store.
+                        store_shared_b32x4(
+                            a_tiles + a_chunk_offset(buf, r, half * 4 + j * 2 + c),
+                            [out[e] for e in range(4)])
         else:
             word = cute.make_tensor(cute.make_ptr(Int32, scales + first * 4,   # thread 0's
                                                   cute.AddressSpace.smem, assumed_align=4),
@@ -231,7 +243,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                     cute.make_ptr(Int32, row_addr + half * 64 + c * 16, cute.AddressSpace.smem,
                                   assumed_align=16), cute.make_layout((4,))).load()
                 if const_expr(not self.leave_out["no_dequant"]):
-                    sA_vec[None, r, half * 4 + c, buf].store(codes.bitcast(self.dtype))
+                    store_shared_b32x4(a_tiles + a_chunk_offset(buf, r, half * 4 + c),
+                                       [codes[e] for e in range(4)])
         if half == 0:
             cute.make_tensor(cute.make_ptr(Float32, ws + slot * 4, cute.AddressSpace.smem,
                                            assumed_align=4), cute.make_layout((1,)))[0] = \
@@ -257,7 +270,7 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         blk = [thr_mma.make_fragment_C(shape_c) for _ in range(2)]
         acc.fill(0.0)
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((BLOCK_M, self.block_n)))
-        sA_vec = cute.flat_divide(sA, (1, CHUNK))[0, None, None, None, None]
+        a_tiles = storage.sA.data_ptr().toint()
         num_kk = cute.size(tCrA, mode=[2])
         dequant_barrier = DEQUANT_BARRIER + 2 * math_wg
         mat, row_block = Int32(0), math_wg * BLOCK_M
@@ -272,7 +285,7 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             for p in cutlass.range_constexpr(2):
                 pipe.consumer_wait(state)
                 self.convert_rows(raw, scales, ws, state.index, mat, row_block, 2 * kb2 + p,
-                                  wg_tidx, sA_vec, math_wg * 2 + p)
+                                  wg_tidx, a_tiles, math_wg * 2 + p)
                 # Ordinary stores (A tiles) and cp.async stores (token codes) are read by
                 # the WGMMAs (async proxy); the warpgroup's four warps wrote the A tiles.
                 cute.arch.fence_proxy("async.shared", space="cta")

@@ -89,6 +89,17 @@ def copy16(atom: cute.CopyAtom, dtype: cute.typing.Type, addr: Int64, dst: cute.
 
 
 @dsl_user_op
+def store_shared_b32x4(addr: Int32, words, *, loc=None, ip=None) -> None:
+    """``st.shared.v4.b32``: four 32-bit ``words`` at the 16-byte aligned shared address
+    ``addr`` (bytes as they are: no element type for the compiler to re-pack)."""
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip)]
+                    + [Int32(w).ir_value(loc=loc, ip=ip) for w in words],
+                    "st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def store_shared_f32x4(addr: Int32, values, *, loc=None, ip=None) -> None:
     """``st.shared.v4.f32``: four f32 ``values`` at the 16-byte aligned shared address
     ``addr``."""

@@ -14,6 +14,12 @@ import pytest
 from dsv4_jax.kernels import grouped_gemm_config as support
 
 pytest.importorskip("cutlass")
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+from dsv4_jax.kernels.grouped_gemm_sm90_wgmma_fp8_coop import a_chunk_offset  # noqa: E402
 from grouped_gemm_compile import compile_variant as _compile, ptxas_log  # noqa: E402
 
 FLASH_EXPERTS = 256
@@ -24,6 +30,35 @@ FP8_COOP = dataclasses.replace(support.PREFILL_CONFIG, algorithm="wgmma_fp8_coop
 def _pick(fmt="fp4", **kw):
     args = dict(prefill_algorithm="wgmma_fp8_coop", k_ins=(4096, 2048), n_outs=(2048, 4096))
     return support.choose_config(FLASH_ROWS, FLASH_EXPERTS, fmt, **(args | kw))
+
+
+def _collect_offsets(layout, out: list):
+    """(Plain Python, traced inline: ``range`` loops unroll.)"""
+    for buf in range(4):
+        for row in range(support.BLOCK_M):
+            for chunk in range(support.BLOCK_K // 16):
+                out.append(((buf, row, chunk), cute.crd2idx((row, 16 * chunk, buf), layout)))
+
+
+@cute.jit
+def _a_tile_offsets(out: cutlass.Constexpr):
+    """CuTe's byte offsets (swizzle applied) of every 16-byte chunk of the kernel's e4m3 A
+    tiles, appended to ``out`` as ((buf, row, chunk), offset) at trace time."""
+    layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (support.BLOCK_M, 128,
+                                                                  support.BLOCK_K),
+                                           cutlass.Float8E4M3FN, 4)
+    _collect_offsets(layout, out)
+
+
+def test_a_chunk_offsets_are_cutes_swizzled_layout(monkeypatch):
+    """The converting threads store 16-byte chunks at ``a_chunk_offset``: the same bytes
+    the WGMMA descriptors of ``make_smem_layout_a`` read, for every chunk of 4 tiles."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    offsets = []
+    cute.compile(_a_tile_offsets, offsets)
+    assert len(offsets) == 4 * support.BLOCK_M * support.BLOCK_K // 16
+    for (buf, row, chunk), offset in offsets:
+        assert a_chunk_offset(buf, row, chunk) == offset, (buf, row, chunk)
 
 
 def test_prefill_tiles_take_fp8_coop_when_asked():
