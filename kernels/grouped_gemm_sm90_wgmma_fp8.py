@@ -53,6 +53,48 @@ FP4_FOLD_BIAS = 127 + 6       # e8m0_f32(s_i - s_max + FP4_FOLD_BIAS) = 2^(s_i -
 CHUNK = 16                    # bytes = e4m3 codes per vector store / token copy
 
 
+@cute.jit
+def convert_half_row(weight_format: cutlass.Constexpr, word: Int32, kb: Int32, half: Int32,
+                     row_addr: Int32, store: cutlass.Constexpr) -> Float32:
+    """K half ``half`` (64 columns) of one weight row's K block ``kb``, raw bytes at the
+    shared address ``row_addr``, as e4m3 codes: ``store(chunk, words)`` receives each 16-byte
+    chunk (K columns 16 chunk .. 16 chunk + 15 of the block) as 4 words. FP4: ``word`` holds
+    the row's 4 E8M0 scales of the block, folded into the codes (module docstring); FP8:
+    the codes as stored, ``word`` the aligned scale word holding the block's byte. Returns
+    the row's promotion scale for the block. Shared by "wgmma_fp8" (its producer converts)
+    and "wgmma_fp8_coop" (its math warpgroups do)."""
+    if const_expr(weight_format == "fp4"):
+        s0, s1 = word & 0xFF, (word >> 8) & 0xFF
+        s2, s3 = (word >> 16) & 0xFF, (word >> 24) & 0xFF
+        s01 = s0 if s0 > s1 else s1
+        s23 = s2 if s2 > s3 else s3
+        s_max = s01 if s01 > s23 else s23
+        row_scale = e8m0_f32(s_max) * Float32(1.0 / 64.0)
+        for j in cutlass.range_constexpr(2):             # sub-blocks 2 half + j
+            s_i = (word >> (16 * half + 8 * j)) & 0xFF
+            fold = s_i - s_max + FP4_FOLD_BIAS
+            fold = fold if fold > 0 else Int32(0)
+            t_lo, t_hi = e4m3_fold_table(e8m0_f32(fold))
+            codes = cute.make_tensor(
+                cute.make_ptr(Int32, row_addr + half * 32 + j * 16, cute.AddressSpace.smem,
+                              assumed_align=16), cute.make_layout((4,))).load()
+            for c in cutlass.range_constexpr(2):         # 16 codes -> one 16 B chunk
+                out = cute.make_rmem_tensor((4,), Int32)
+                for w in cutlass.range_constexpr(2):
+                    o = fp4x8_to_e4m3x8_table(codes[2 * c + w], t_lo, t_hi)
+                    out[2 * w] = o[0]
+                    out[2 * w + 1] = o[1]
+                store(half * 4 + j * 2 + c, out.load())
+    else:
+        row_scale = e8m0_f32((word >> (8 * (kb % 4))) & 0xFF)
+        for c in cutlass.range_constexpr(4):             # e4m3 bytes as stored
+            codes = cute.make_tensor(
+                cute.make_ptr(Int32, row_addr + half * 64 + c * 16, cute.AddressSpace.smem,
+                              assumed_align=16), cute.make_layout((4,))).load()
+            store(half * 4 + c, codes)
+    return row_scale
+
+
 class GroupedGemmWgmmaFp8Sm90(GroupedGemmWgmmaSm90):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
@@ -199,38 +241,10 @@ class GroupedGemmWgmmaFp8Sm90(GroupedGemmWgmmaSm90):
         word = cute.make_tensor(
             cute.make_ptr(Int32, scales + ((stage * self.mats + mat) * 2 * BLOCK_M + tidx) * 4,
                           cute.AddressSpace.smem, assumed_align=4), cute.make_layout((1,)))[0]
-        if const_expr(self.weight_format == "fp4"):
-            s0, s1 = word & 0xFF, (word >> 8) & 0xFF
-            s2, s3 = (word >> 16) & 0xFF, (word >> 24) & 0xFF
-            s01 = s0 if s0 > s1 else s1
-            s23 = s2 if s2 > s3 else s3
-            s_max = s01 if s01 > s23 else s23
-            row_scale = e8m0_f32(s_max) * Float32(1.0 / 64.0)
-            for j in cutlass.range_constexpr(2):             # sub-blocks 2 half + j
-                s_i = (word >> (16 * half + 8 * j)) & 0xFF
-                fold = s_i - s_max + FP4_FOLD_BIAS
-                fold = fold if fold > 0 else Int32(0)
-                t_lo, t_hi = e4m3_fold_table(e8m0_f32(fold))
-                codes = cute.make_tensor(
-                    cute.make_ptr(Int32, row_addr + half * 32 + j * 16, cute.AddressSpace.smem,
-                                  assumed_align=16), cute.make_layout((4,))).load()
-                for c in cutlass.range_constexpr(2):         # 16 codes -> one 16 B chunk
-                    out = cute.make_rmem_tensor((4,), Int32)
-                    for w in cutlass.range_constexpr(2):
-                        o = fp4x8_to_e4m3x8_table(codes[2 * c + w], t_lo, t_hi)
-                        out[2 * w] = o[0]
-                        out[2 * w + 1] = o[1]
-                    if const_expr(not self.leave_out["no_dequant"]):
-                        sA_vec[None, r, half * 4 + j * 2 + c, buf].store(
-                            out.load().bitcast(self.dtype))
-        else:
-            row_scale = e8m0_f32((word >> (8 * (kb % 4))) & 0xFF)
-            for c in cutlass.range_constexpr(4):             # e4m3 bytes as stored
-                codes = cute.make_tensor(
-                    cute.make_ptr(Int32, row_addr + half * 64 + c * 16, cute.AddressSpace.smem,
-                                  assumed_align=16), cute.make_layout((4,))).load()
-                if const_expr(not self.leave_out["no_dequant"]):
-                    sA_vec[None, r, half * 4 + c, buf].store(codes.bitcast(self.dtype))
+        def store(chunk, words):
+            if const_expr(not self.leave_out["no_dequant"]):
+                sA_vec[None, r, chunk, buf].store(words.bitcast(self.dtype))
+        row_scale = convert_half_row(self.weight_format, word, kb, half, row_addr, store)
         if half == 0:
             slot = cute.make_tensor(
                 cute.make_ptr(Float32, ws + ((stage * self.mats + mat) * BLOCK_M + r) * 4,

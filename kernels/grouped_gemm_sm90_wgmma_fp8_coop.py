@@ -48,8 +48,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .sm90_primitives import cp_async_arrive, store_shared_b32x4, store_shared_f32x4
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
-from .grouped_gemm_sm90_convert import copy_bytes, e4m3_fold_table, e8m0_f32, \
-    fp4x8_to_e4m3x8_table
+from .grouped_gemm_sm90_convert import copy_bytes
 from .grouped_gemm_sm90_wgmma import DEQUANT_BARRIER
 
 HANDOFF_BARRIER = 5     # gated: the up projection's sums are in shared memory (both warpgroups)
@@ -63,8 +62,8 @@ def a_chunk_offset(buf, row, chunk):
     ``make_smem_layout_a`` lays out e4m3 tiles of K = 128 (tests/ replay it against CuTe's
     layout). Works on ints and kernel integers alike."""
     return buf * A_TILE_BYTES + row * BLOCK_K + ((chunk ^ (row & 7)) << 4)
-from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, FP4_FOLD_BIAS, GroupedGemmWgmmaFp8Sm90,
-                                          _fence_operands)
+from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, GroupedGemmWgmmaFp8Sm90, _fence_operands,
+                                          convert_half_row)
 
 
 class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
@@ -203,48 +202,21 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         first = (stage * self.mats + mat) * self.cta_rows       # the matrix's first row slot
         slot = first + row_block + r
         row_addr = raw + slot * self.row_bytes
+        # FP4: the row's scale word; FP8: the row block's, copied by producer thread 0.
+        word_slot = first
         if const_expr(self.weight_format == "fp4"):
-            word = cute.make_tensor(cute.make_ptr(Int32, scales + slot * 4,
-                                                  cute.AddressSpace.smem, assumed_align=4),
-                                    cute.make_layout((1,)))[0]
-            s0, s1 = word & 0xFF, (word >> 8) & 0xFF
-            s2, s3 = (word >> 16) & 0xFF, (word >> 24) & 0xFF
-            s01 = s0 if s0 > s1 else s1
-            s23 = s2 if s2 > s3 else s3
-            s_max = s01 if s01 > s23 else s23
-            row_scale = e8m0_f32(s_max) * Float32(1.0 / 64.0)
-            for j in cutlass.range_constexpr(2):             # sub-blocks 2 half + j
-                s_i = (word >> (16 * half + 8 * j)) & 0xFF
-                fold = s_i - s_max + FP4_FOLD_BIAS
-                fold = fold if fold > 0 else Int32(0)
-                t_lo, t_hi = e4m3_fold_table(e8m0_f32(fold))
-                codes = cute.make_tensor(
-                    cute.make_ptr(Int32, row_addr + half * 32 + j * 16, cute.AddressSpace.smem,
-                                  assumed_align=16), cute.make_layout((4,))).load()
-                for c in cutlass.range_constexpr(2):         # 16 codes -> one 16 B chunk
-                    out = cute.make_rmem_tensor((4,), Int32)
-                    for w in cutlass.range_constexpr(2):
-                        o = fp4x8_to_e4m3x8_table(codes[2 * c + w], t_lo, t_hi)
-                        out[2 * w] = o[0]
-                        out[2 * w + 1] = o[1]
-                    if const_expr(not self.leave_out["no_dequant"]):
-                        # As 32-bit words at the swizzled address: a bitcast to 16 e4m3
-                        # values compiled to byte extracts and re-packs before the store.
-                        store_shared_b32x4(
-                            a_tiles + a_chunk_offset(buf, r, half * 4 + j * 2 + c),
-                            [out[e] for e in range(4)])
-        else:
-            word = cute.make_tensor(cute.make_ptr(Int32, scales + first * 4,   # thread 0's
-                                                  cute.AddressSpace.smem, assumed_align=4),
-                                    cute.make_layout((1,)))[0]
-            row_scale = e8m0_f32((word >> (8 * (kb % 4))) & 0xFF)
-            for c in cutlass.range_constexpr(4):             # e4m3 bytes as stored
-                codes = cute.make_tensor(
-                    cute.make_ptr(Int32, row_addr + half * 64 + c * 16, cute.AddressSpace.smem,
-                                  assumed_align=16), cute.make_layout((4,))).load()
-                if const_expr(not self.leave_out["no_dequant"]):
-                    store_shared_b32x4(a_tiles + a_chunk_offset(buf, r, half * 4 + c),
-                                       [codes[e] for e in range(4)])
+            word_slot = slot
+        word = cute.make_tensor(cute.make_ptr(Int32, scales + word_slot * 4,
+                                              cute.AddressSpace.smem, assumed_align=4),
+                                cute.make_layout((1,)))[0]
+
+        # As 32-bit words at the swizzled address: a bitcast to 16 e4m3 values compiled to
+        # byte extracts and re-packs before the store.
+        def store(chunk, words):
+            if const_expr(not self.leave_out["no_dequant"]):
+                store_shared_b32x4(a_tiles + a_chunk_offset(buf, r, chunk),
+                                   [words[e] for e in range(4)])
+        row_scale = convert_half_row(self.weight_format, word, kb, half, row_addr, store)
         if half == 0:
             cute.make_tensor(cute.make_ptr(Float32, ws + slot * 4, cute.AddressSpace.smem,
                                            assumed_align=4), cute.make_layout((1,)))[0] = \

@@ -330,7 +330,8 @@ def test_wgmma_fp8_prefill_matches_the_reference(dims, fmt, t, routing):
                          policy=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8"))
 
 
-# "wgmma_coop" prefill tiles (two math warpgroups, 128 weight rows per CTA): -k coop.
+# The two-math-warpgroup prefill kernels: "wgmma_coop" (bf16 WGMMAs, 128 weight rows per
+# CTA; -k "wgmma_coop") and "wgmma_fp8_coop" (FP8 WGMMAs, the warpgroups convert; -k fp8_coop).
 PREFILL_COOP_CASES = ([("small", f, t, r) for f in ("fp4", "fp8") for t in (128, 512, 4096)
                        for r in ("random", "dropped")]
                       + [("small", "fp4", 4096, "one_expert"),
@@ -340,22 +341,13 @@ PREFILL_COOP_CASES = ([("small", f, t, r) for f in ("fp4", "fp8") for t in (128,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("algorithm", ["wgmma_coop", "wgmma_fp8_coop"])
 @pytest.mark.parametrize("dims, fmt, t, routing", PREFILL_COOP_CASES)
-def test_wgmma_coop_prefill_matches_the_reference(dims, fmt, t, routing):
+def test_coop_prefill_matches_the_reference(dims, fmt, t, routing, algorithm):
     e, _, _, k = DIMS[dims]
     assert t * (1 if routing == "one_expert" else k) > 16 * e, "not a prefill-size case"
     check_implementation("cute", dims, fmt, t, routing,
-                         policy=GroupedGemmPolicy(prefill_algorithm="wgmma_coop"))
-
-
-# "wgmma_fp8_coop" prefill tiles (FP8 WGMMAs, two math warpgroups that convert): -k fp8_coop.
-@pytest.mark.gpu
-@pytest.mark.parametrize("dims, fmt, t, routing", PREFILL_COOP_CASES)
-def test_wgmma_fp8_coop_prefill_matches_the_reference(dims, fmt, t, routing):
-    e, _, _, k = DIMS[dims]
-    assert t * (1 if routing == "one_expert" else k) > 16 * e, "not a prefill-size case"
-    check_implementation("cute", dims, fmt, t, routing,
-                         policy=GroupedGemmPolicy(prefill_algorithm="wgmma_fp8_coop"))
+                         policy=GroupedGemmPolicy(prefill_algorithm=algorithm))
 
 
 @pytest.mark.gpu
