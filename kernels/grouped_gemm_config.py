@@ -117,7 +117,7 @@ KERNELS = {spec.algorithm: spec for spec in (
                ("no_dequant", "no_mma")),
 )}
 # The FP8 WGMMA kernels: token codes + scales, an even number of K blocks (two chains per
-# iteration), block_n <= FP8_WGMMA_MAX_BLOCK_N.
+# iteration), block_n <= their spec's max_block_n (registers).
 FP8_WGMMA_ALGORITHMS = ("wgmma_fp8", "wgmma_fp8_coop")
 # Two math warpgroups of BLOCK_M rows each: output features a multiple of COOP_ROWS.
 COOP_ALGORITHMS = ("wgmma_coop", "wgmma_fp8_coop")
@@ -528,8 +528,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     ``WARP_ROWS_FEW_CTAS`` rows per group: then decode tiles too. Decode tiles run
     ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8 algorithms need
     FP4/FP8 weights and FP8-quantised activations (``fp8_activations``: the simulation is
-    on), else they become "mma_sync" / "wgmma"; "wgmma_fp8" also an even number of K blocks
-    in each of ``k_ins``, the input features of the launches that will use the config.
+    on), else they become "mma_sync" / "wgmma" ("wgmma_fp8_coop": "wgmma_coop"); the FP8
+    WGMMA kernels also an even number of K blocks in each of ``k_ins``, the input features
+    of the launches that will use the config.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     Warp kernels: for at most 2 tiles of rows, K split ``split_k`` ways (None:
