@@ -20,6 +20,9 @@
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh gemm_ncu wq_b 1
 #       (Nsight Compute of one decode GEMM launch of decode_gemms.py, the model's config)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh prefill_ncu wgmma_fp8_coop 4096
+#       (Nsight Compute of the gated launch of moe_kernel_ablation.py at T tokens under one
+#        prefill algorithm, as shipped: its first launch)
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 set -u
 OUT=${OUT:-./device_out}; mkdir -p "$OUT"
@@ -150,6 +153,19 @@ if [[ $what == gemm_ncu ]]; then
     -f -o "$OUT/gemm_${gemm}_$tokens" python3 benchmarks/decode_gemms.py --gemms "$gemm" \
     --tokens "$tokens" --ncu >"$OUT/ncu_run_gemm.log" 2>&1 || tail -20 "$OUT/ncu_run_gemm.log"
   ncu_report "gemm_${gemm}_$tokens"
+fi
+if [[ $what == prefill_ncu ]]; then
+  alg=${1:-wgmma_fp8_coop}; tokens=${2:-4096}
+  kernel=$(python3 -c "from dsv4_jax.kernels.grouped_gemm_config import KERNELS; \
+print(KERNELS['$alg'].class_name)") || exit 1
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-200} "$ncu" \
+    --clock-control none --replay-mode kernel \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters \
+    --section LaunchStats -k "regex:${kernel}_" --launch-count 1 \
+    -f -o "$OUT/prefill_${alg}_$tokens" python3 benchmarks/moe_kernel_ablation.py "$tokens" \
+    --only "$alg" >"$OUT/ncu_run_prefill.log" 2>&1 || tail -20 "$OUT/ncu_run_prefill.log"
+  ncu_report "prefill_${alg}_$tokens"
 fi
 if [[ $what == profile ]]; then
   tag=${1}_${2}
