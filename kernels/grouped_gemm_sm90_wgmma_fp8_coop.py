@@ -1,32 +1,38 @@
 """Grouped expert GEMM for prefill tiles on FP8 tensor cores with two math warpgroups:
-``algorithm="wgmma_fp8_coop"`` (sm_90a).
+``algorithm="wgmma_fp8_coop"`` (sm_90a), the prefill default for FP4/FP8 weights.
 
 "wgmma_fp8" (``grouped_gemm_sm90_wgmma_fp8``: the same e4m3 token codes and scales, FP4 scale
-fold, FP8 WGMMAs and promotion) with the CTA of "wgmma_coop": 128 weight rows per matrix, a
-producer warpgroup that only copies, and two math warpgroups that each convert their own 64
-rows and multiply them against the shared token codes.
+fold -- ``convert_half_row``, shared --, K = 32 FP8 WGMMA chain per K block and promotion, so
+outputs equal bit for bit) with a CTA like "wgmma_coop"'s: a producer warpgroup that only
+copies, and two math warpgroups that each convert their own weight rows and multiply them
+against the shared token codes. Math warpgroup w multiplies one (matrix, 64-row block):
+gated, matrix w (w1, w3) of the CTA's 64 rows; ungated, rows [64 w, 64 w + 64) of 128. One
+accumulator and two block accumulators per math thread leave registers for token tiles of
+128 rows, so each weight byte is converted once per 128 tokens.
 
-Why (docs/performance.md, "Two math warpgroups" and "Persistent coop"): "wgmma_fp8" halves the
-tensor-core time of "wgmma_coop" but its one producer warpgroup converts every weight byte and
-bounds the launch; "wgmma_coop" spreads the conversion over two warpgroups but multiplies
-bf16. Here the conversion is spread and the WGMMAs are e4m3, so one warpgroup's conversion and
-promotion run while the other's WGMMAs occupy the tensor cores.
+Why (docs/performance.md, "FP8 WGMMAs converted by two math warpgroups"): "wgmma_fp8" halves
+the tensor-core time of "wgmma_coop" but its one producer warpgroup converts every weight
+byte and bounds the launch; "wgmma_coop" spreads the conversion over two warpgroups but
+multiplies bf16. Here the conversion is spread and the WGMMAs are e4m3.
 
 Dataflow (384 threads; the producer hands registers to the math warpgroups with
 ``setmaxnreg``):
 
-1. WG0, K block ``kb``: cp.async copies of the 128 rows' raw weight bytes per matrix
-   (consecutive threads, consecutive 16-byte chunks), their scale words (thread t: row t), the tile's token codes (16-byte chunks) and token scales
-   into stage ``kb % num_stages``; an mbarrier arrive on their completion.
-2. Math warpgroup w (WG1 + w), two K blocks per iteration: waits for a stage, converts rows
-   [64 w, 64 w + 64) of each matrix into its own e4m3 A tile of that block's parity (thread
-   t: row t / 2, K half t % 2, as "wgmma_fp8"; FP4 codes through the fold tables) and writes
-   the rows' promotion scales, then issues that block's WGMMA chain into a block accumulator
-   of the same parity. The second block's conversion runs under the first block's WGMMAs;
-   the first block's promotion ``acc += blk * w_scale[row] * x_scale[token]`` under the
-   second's. A stage is released after its chain retired and was promoted.
-3. Epilogue: each warpgroup writes its 64 output features of the tile's rows (bf16; SwiGLU x
-   routing weight when gated).
+1. WG0, K block ``kb``: cp.async copies of the CTA's 128 weight rows' raw bytes (consecutive
+   threads copy consecutive 16-byte chunks: whole 32-byte sectors), their scale words
+   (thread t: row t), the tile's token codes and token scales into stage
+   ``kb % num_stages``; an mbarrier arrive on their completion.
+2. Math warpgroup w (WG1 + w), two K blocks per iteration: waits for a stage, converts its
+   64 rows into its own e4m3 A tile of that block's parity (thread t: row t / 2, K half
+   t % 2; the codes stored as 32-bit words at the swizzled address, ``a_chunk_offset``) and
+   writes the rows' promotion scales, then issues that block's WGMMA chain into a block
+   accumulator of the same parity. The second block's conversion runs under the first
+   block's WGMMAs, the first block's promotion ``acc += blk * w_scale[row] *
+   x_scale[token]`` under the second's. A stage is released after its chain retired and
+   was promoted.
+3. Epilogue (bf16): ungated, each warpgroup writes its 64 output features of the tile's
+   rows; gated, the up projection's warpgroup stores its sums in shared memory, and after a
+   barrier of both the gate's warpgroup writes SwiGLU x routing weight.
 
 A tile row of a math warpgroup is converted by the warp that holds its accumulator rows
 (row t / 2 of thread t: warp w converts rows 16 w .. 16 w + 15, the rows of its WGMMA
@@ -35,8 +41,8 @@ chain that read it; one named barrier per warpgroup and block orders its four wa
 before their WGMMAs.
 
 Constraints: sm_90a; FP4/FP8 weights with the FP8 activation simulation; K a multiple of 256
-(an even number of K blocks); output features a multiple of 128; block_n <= 64 (registers:
-2 block accumulators + 1 accumulator of 64 x block_n f32 per matrix and math thread); ablations
+(an even number of K blocks); output features a multiple of 128; block_n <= 128 (registers:
+an accumulator and two block accumulators of 64 x block_n f32 per math warpgroup); ablations
 "no_dequant" (A tiles not written) and "no_mma" (no WGMMA; outputs wrong by design).
 """
 from __future__ import annotations
