@@ -67,7 +67,7 @@ import numpy as np
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.moe import moe_experts
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
-from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, PREFILL_ALGORITHMS,
+from dsv4_jax.kernels.grouped_gemm_config import (DECODE_ALGORITHMS, PREFILL_ALGORITHMS,
                                                   WARP_ROWS_PER_EXPERT)
 from timing import PEAK_TBPS, PEAK_TFLOPS, calls_on_sets, is_oom, median_seconds, rates
 import torch_peer
@@ -241,7 +241,8 @@ def parse_args(argv=None):
     p.add_argument("--no-xla", action="store_true")
     p.add_argument("--runs", type=int, default=20, help="timed executions per case (>= 20)")
     p.add_argument("--algorithms", default="mma_fp8,mma_sync",
-                   help=f"decode algorithms timed for decode-size inputs, of {ALGORITHMS}")
+                   help=f"decode algorithms timed for decode-size inputs, of "
+                        f"{DECODE_ALGORITHMS}")
     p.add_argument("--prefill-algorithm", default="wgmma", choices=PREFILL_ALGORITHMS,
                    help="the kernel of prefill-size inputs")
     p.add_argument("--quick", action="store_true",
@@ -270,8 +271,8 @@ def parse_args(argv=None):
     if a.tiny:
         a.shapes, a.tokens, a.runs = "tiny", "1,8,64,512", min(a.runs, 3)
     for algorithm in a.algorithms.split(","):
-        if algorithm not in ALGORITHMS:
-            p.error(f"--algorithms: {algorithm!r} is not one of {ALGORITHMS}")
+        if algorithm not in DECODE_ALGORITHMS:
+            p.error(f"--algorithms: {algorithm!r} is not one of {DECODE_ALGORITHMS}")
     return a
 
 

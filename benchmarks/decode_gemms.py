@@ -106,7 +106,7 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     kernel's, or those named that it has; the K split's only where it splits)."""
     def config(**policy):
         return resolve_config(GroupedGemmPolicy(**policy), rows, shape.groups, shape.fmt,
-                              (shape.k,), shape.simulate, (shape.n,))
+                              (shape.k,), shape.simulate, (shape.n,), gated=shape.gated)
     model = config(**({"decode_algorithm": base} if base else {}))
     out = [(f"policy {base}" if base else "model", model)]
     for algorithm in algorithms:

@@ -34,7 +34,7 @@ import dsv4_jax  # noqa: E402,F401  (first: XLA flags)
 import jax  # noqa: E402
 
 from dsv4_jax.ffi import cases  # noqa: E402
-from dsv4_jax.ffi.moe_sm90 import moe_config  # noqa: E402
+from dsv4_jax.ffi.moe_sm90 import moe_configs  # noqa: E402
 from dsv4_jax.ffi.policy import GroupedGemmPolicy  # noqa: E402
 from policy_flags import add_policy_flags, policy_of_flags  # noqa: E402
 
@@ -54,8 +54,8 @@ def phases(case_name: str, implementation: str, policy: GroupedGemmPolicy) -> No
     mark("weights")
     p = case.weights
     rows = case.idx.size
-    config = moe_config(rows, p["w1"], p["w2"], simulate=fmt != "bf16", policy=policy)
-    mark(f"rows {rows}, config {config}")
+    configs = moe_configs(rows, p["w1"], p["w2"], simulate=fmt != "bf16", policy=policy)
+    mark(f"rows {rows}, configs {configs}")
     compiled = cases.moe_experts_jit(implementation, case.kw, policy).lower(
         *case.args).compile()
     mark(f"op compiled ({implementation})")

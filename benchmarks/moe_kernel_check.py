@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from dsv4_jax import quant
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, resolve_config
-from dsv4_jax.ffi.moe_sm90 import moe_config, moe_support
+from dsv4_jax.ffi.moe_sm90 import moe_configs, moe_support
 from policy_flags import add_policy_flags, policy_of_flags
 from timing import back_to_back_seconds, rates
 
@@ -96,7 +96,7 @@ def run_case(label, dims, tokens, kind, fmt, simulate, policy, dry):
     if not ok and not dry:
         print(f"{head}: the kernel does not support {why}")
         return
-    config = moe_config(rows, p["w1"], p["w2"], simulate=sim, policy=policy)
+    config, down_config = moe_configs(rows, p["w1"], p["w2"], simulate=sim, policy=policy)
     f = cases.moe_experts_jit("xla" if dry else "cute", case.kw, policy)
     got = f(*case.args)
     check = cases.compare_to_reference(got, cases.moe_reference_chunked(*case.args, **case.kw),
@@ -111,8 +111,8 @@ def run_case(label, dims, tokens, kind, fmt, simulate, policy, dry):
         return
     t = back_to_back_seconds(f, *case.args)
     t_up = back_to_back_seconds(up, *up_args)
-    down, down_args = cases.grouped_launch(up(*up_args), ea, p["w2"], config=config,
-                                           simulate=sim, presorted=True)
+    down, down_args = cases.grouped_launch(up(*up_args), ea, p["w2"],
+                                           config=down_config, simulate=sim, presorted=True)
     t_down = back_to_back_seconds(down, *down_args)
     touched = cases.touched_groups(case.idx)
     r = rates(touched * cases.bytes_per_group(p["w1"], p["w3"], p["w2"]),

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
-from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
+from dsv4_jax.kernels.grouped_gemm_config import (DECODE_ALGORITHMS,
+                                                  DEFAULT_DECODE_ALGORITHM,
                                                   DEFAULT_PREFILL_ALGORITHM, MAX_SPLIT_K,
                                                   PREFILL_ALGORITHMS)
 
 
 def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     """``--algorithm``, ``--prefill-algorithm`` and ``--split-k`` (default 1: no K split)."""
-    parser.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM, choices=ALGORITHMS,
+    parser.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM,
+                        choices=DECODE_ALGORITHMS,
                         help="decode algorithm (GroupedGemmPolicy)")
     parser.add_argument("--prefill-algorithm", default=DEFAULT_PREFILL_ALGORITHM,
                         choices=PREFILL_ALGORITHMS,

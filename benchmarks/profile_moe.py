@@ -22,9 +22,10 @@ import dsv4_jax  # noqa: F401  (first: XLA flags)
 import jax
 
 from dsv4_jax.ffi import cases
-from dsv4_jax.ffi.moe_sm90 import moe_config
+from dsv4_jax.ffi.moe_sm90 import moe_configs
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
-from dsv4_jax.kernels.grouped_gemm_config import ALGORITHMS, DEFAULT_DECODE_ALGORITHM
+from dsv4_jax.kernels.grouped_gemm_config import (DECODE_ALGORITHMS,
+                                                  DEFAULT_DECODE_ALGORITHM)
 from decode_step import profile_ops   # decode_step.py's trace reader (its owner keeps it there)
 
 FMT = "fp4"
@@ -39,7 +40,8 @@ def print_ops(title, rows, total):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("tokens", help="comma-separated token counts")
-    p.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM, choices=ALGORITHMS,
+    p.add_argument("--algorithm", default=DEFAULT_DECODE_ALGORITHM,
+                   choices=DECODE_ALGORITHMS,
                    help="decode algorithm (GroupedGemmPolicy)")
     p.add_argument("--launch-only", action="store_true",
                    help="run the gated launch a few times, untraced (for Nsight Compute)")
@@ -55,7 +57,7 @@ def main(argv=None):
         case = cases.moe_case(dims, FMT, tokens, "random")
         p = case.weights
         xa, ea, wa = cases.assignment_rows(case.x, case.idx, case.w)
-        config = moe_config(ea.size, p["w1"], p["w2"], simulate=True, policy=policy)
+        config, _ = moe_configs(ea.size, p["w1"], p["w2"], simulate=True, policy=policy)
         up, up_args = cases.grouped_launch(xa, ea, p["w1"], w_up=p["w3"], row_weights=wa,
                                            config=config, simulate=True)
         touched = cases.touched_groups(case.idx)

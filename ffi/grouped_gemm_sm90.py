@@ -18,8 +18,8 @@ One call of ``grouped_gemm_cute``:
 share their input) in one launch of a warp kernel, whose output blocks past the first
 weight's read the second weight (``paired``); prefill tiles run a launch per weight.
 
-``resolve_config`` turns a ``GroupedGemmPolicy`` into the one ``GroupedGemmSm90Config``
-that the support check and the launches of a call share.
+``resolve_config`` turns a ``GroupedGemmPolicy`` into the ``GroupedGemmSm90Config`` of a
+launch, which its support check shares.
 """
 from __future__ import annotations
 
@@ -59,14 +59,15 @@ def kernel_weight_format(weight, scale) -> str | None:
 
 def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt: str,
                    k_ins: tuple[int, ...], simulate: bool,
-                   n_outs: tuple[int, ...] = ()) -> GroupedGemmSm90Config:
-    """The kernel config of a call: ``choose_config`` under ``policy`` for ``rows`` rows in
-    ``groups`` groups, launches with input features ``k_ins`` and outputs ``n_outs``."""
+                   n_outs: tuple[int, ...] = (), gated: bool = False) -> GroupedGemmSm90Config:
+    """The kernel config of a launch (``gated``: two matrices and the SwiGLU):
+    ``choose_config`` under ``policy`` for ``rows`` rows in ``groups`` groups, in a call whose
+    launches have input features ``k_ins`` and outputs ``n_outs``."""
     policy = policy or GroupedGemmPolicy()
     return choose_config(rows, groups, fmt, decode_algorithm=policy.decode_algorithm,
                          prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
                          k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k,
-                         pdl=policy.pdl)
+                         pdl=policy.pdl, gated=gated)
 
 
 def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,
@@ -92,7 +93,8 @@ def support(rows: int, k: int, x_dtype: str, w, w_up=None, *, ragged: bool, simu
     if rows == 0:
         return False, "no rows"
     groups, n = w[0].shape[0], w[0].shape[1]
-    config = resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,))
+    config = resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,),
+                            gated=w_up is not None)
     if not ragged and rows % groups:
         return False, f"{rows} rows in {groups} equal blocks"
     return launch_support(config, fmt, x_dtype, rows, groups, [(w_up is not None, n, k)])
@@ -274,8 +276,9 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     rows, k = x.shape
     groups, n = w[0].shape[0], w[0].shape[1]
     fmt = kernel_weight_format(*w)
-    config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,))
     gated = w_up is not None
+    config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,),
+                                      gated=gated)
     order, valid_sorted, tiles = _tiles(rows, group_ids, groups, config)
     rw = None
     if gated:

@@ -14,9 +14,9 @@ the assignment rows sorted once by expert.
 4. ``moe_experts``: sorted rows summed into their tokens in f32; ``moe_expert_rows``: rows
    scattered back to assignment order (dropped rows are zero).
 
-Rows in no tile are never written by the kernel: step 4 masks them with the validity. One
-kernel config (``grouped_gemm_sm90.resolve_config``) serves the support check and both
-launches.
+Rows in no tile are never written by the kernel: step 4 masks them with the validity. Each
+launch has its kernel config (``moe_configs``), which its support check shares; the two
+share their tiles, and differ only where the policy's decode algorithm is ``"auto"``.
 """
 from __future__ import annotations
 
@@ -28,19 +28,25 @@ from . import grouped_gemm_sm90 as gemm
 from .moe_reference import sum_rows_per_token
 from .policy import GroupedGemmPolicy
 
-__all__ = ["moe_config", "moe_support", "moe_expert_rows_cute", "moe_experts_cute"]
+__all__ = ["moe_configs", "moe_support", "moe_expert_rows_cute", "moe_experts_cute"]
+
+MoeConfigs = tuple[GroupedGemmSm90Config, GroupedGemmSm90Config]
 
 
-def moe_config(rows: int, w1, w2, *, simulate: bool,
-               policy: GroupedGemmPolicy | None) -> GroupedGemmSm90Config | None:
-    """The kernel config of both launches for ``rows`` assignment rows (None: the weights
-    are in no kernel format)."""
+def moe_configs(rows: int, w1, w2, *, simulate: bool,
+                policy: GroupedGemmPolicy | None) -> MoeConfigs | None:
+    """The kernel configs of the gated launch and of the w2 launch for ``rows`` assignment
+    rows (None: the weights are in no kernel format). Both launches run on one schedule: a
+    w2 config whose tiles differ from the gated one's is replaced by it."""
     fmt = gemm.kernel_weight_format(*w1)
     if fmt is None:
         return None
     d, inter = w2[0].shape[1], w1[0].shape[1]
-    return gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter), simulate,
-                               (inter, d))
+    gated, down = (gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter),
+                                       simulate, (inter, d), gated=g) for g in (True, False))
+    same_tiles = (gated.spec.tiles, gated.block_n, gated.spec.quantizes_tokens) == (
+        down.spec.tiles, down.block_n, down.spec.quantizes_tokens)
+    return gated, down if same_tiles else gated
 
 
 def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
@@ -51,10 +57,14 @@ def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
         return False, "expert weights not all in one of the formats fp4/fp8/bf16"
     if rows == 0:
         return False, "no rows"
-    config = moe_config(rows, w1, w2, simulate=simulate, policy=policy)
+    gated, down = moe_configs(rows, w1, w2, simulate=simulate, policy=policy)
     d, inter = w2[0].shape[1], w1[0].shape[1]
-    return gemm.launch_support(config, fmts.pop(), x_dtype, rows, w1[0].shape[0],
-                               [(True, inter, d), (False, d, inter)])
+    fmt = fmts.pop()
+    for config, launch in ((gated, (True, inter, d)), (down, (False, d, inter))):
+        ok, why = gemm.launch_support(config, fmt, x_dtype, rows, w1[0].shape[0], [launch])
+        if not ok:
+            return False, why
+    return True, ""
 
 
 def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, policy,
@@ -66,7 +76,8 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     one tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the rows' outputs ``[A, d]``
     bf16 in that order (rows of dropped ids are zero)."""
     groups = w1[0].shape[0]
-    config = config or moe_config(ea.shape[0], w1, w2, simulate=simulate, policy=policy)
+    config, down_config = ((config, config) if config is not None else
+                           moe_configs(ea.shape[0], w1, w2, simulate=simulate, policy=policy))
     if gemm.use_row_tiles(ea.shape[0], groups, config):
         order = None
         valid_sorted, *tiles = gemm.row_schedule(ea, groups)
@@ -83,8 +94,8 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
                     swiglu_limit=swiglu_limit, x_scale=x_scale, config=config,
                     token_stride=stride)
-    hs, h_scale = gemm.quantized_rows(h, None, config, simulate)
-    ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=config)
+    hs, h_scale = gemm.quantized_rows(h, None, down_config, simulate)
+    ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=down_config)
     return order, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
 
 
@@ -94,7 +105,7 @@ def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulat
     """``moe_expert_rows`` on the Hopper kernel (see the module docstring); rows whose expert
     id is outside [0, E) give zeros. ``simulate``: FP8 activation quantisation (quantised
     weights with the simulation on). ``config``: a kernel variant for tests and benchmarks,
-    else ``moe_config`` under ``policy``."""
+    for both launches, else ``moe_configs`` under ``policy``."""
     order, ys = _sorted_rows(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
                              simulate=simulate, policy=policy, config=config)
     if order is not None:

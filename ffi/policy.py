@@ -20,7 +20,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from dsv4_jax.kernels.grouped_gemm_config import (ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
+from dsv4_jax.kernels.grouped_gemm_config import (DECODE_ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
                                                   DEFAULT_PREFILL_ALGORITHM,
                                                   MAX_SPLIT_K, PREFILL_ALGORITHMS)
 from dsv4_jax.kernels.sparse_attention_config import SparseAttentionSm90Config
@@ -36,10 +36,13 @@ _OFF = ("", "auto", "none")
 @dataclasses.dataclass(frozen=True)
 class GroupedGemmPolicy:
     """How the grouped-GEMM kernels run (the routed experts and, through the same op, the
-    dense linears). ``kernels.grouped_gemm_config.choose_config`` resolves it once per call
-    into the one kernel config that the support check and the launch both use.
+    dense linears). ``kernels.grouped_gemm_config.choose_config`` resolves it per launch
+    into the kernel config that the support check and the launch both use.
 
-    decode_algorithm: kernel for decode-size inputs (few rows per group): ``"mma_fp8"``
+    decode_algorithm: kernel for decode-size inputs (few rows per group): ``"auto"`` (the
+      default: ``"wgmma_rs"``, but ``"mma_fp8"`` for a gated launch of more than
+      ``grouped_gemm_config.AUTO_MAX_ROWS`` rows and an ungated one of more than that many
+      rows per group; measured per launch in docs/performance.md), ``"mma_fp8"``
       (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
       simulation -- ``"mma_sync"`` runs), ``"mma_fp8_stream"`` (its MMAs with the weights
       loaded into registers; the same fallback), ``"wgmma_rs"`` (its conversion feeding
@@ -68,7 +71,8 @@ class GroupedGemmPolicy:
     pdl: bool = False
 
     def __post_init__(self):
-        for name, value, valid in (("decode_algorithm", self.decode_algorithm, ALGORITHMS),
+        for name, value, valid in (("decode_algorithm", self.decode_algorithm,
+                                    DECODE_ALGORITHMS),
                                    ("prefill_algorithm", self.prefill_algorithm,
                                     PREFILL_ALGORITHMS)):
             if value not in valid:
@@ -185,7 +189,8 @@ class KernelPolicy:
                            (PREFILL_ALGORITHM_ENV_VAR, "prefill_algorithm")):
             value = env.get(var, "").strip()
             if value:
-                valid = ALGORITHMS if field == "decode_algorithm" else PREFILL_ALGORITHMS
+                valid = (DECODE_ALGORITHMS if field == "decode_algorithm"
+                         else PREFILL_ALGORITHMS)
                 if value not in valid:
                     raise ValueError(f"{var}={value!r}: must be one of {valid}")
                 gemm[field] = value

@@ -435,13 +435,31 @@ def warp_lane_weight_byte(t, kb, weight_format: str):
     return kb * ROW_BYTES[weight_format] + t * (ROW_BYTES[weight_format] // 4)
 
 
-# The algorithms a policy names by default: "mma_fp8" for decode tiles ("mma_sync" where it
-# does not apply: BF16 weights or no FP8 activation simulation), "wgmma_fp8_coop" for prefill
-# tiles ("wgmma_coop" where it does not apply: no FP8 activation simulation, an odd number of
-# K blocks; "wgmma" for BF16 weights and output features not a multiple of 128). Measured
-# choices: docs/performance.md.
-DEFAULT_DECODE_ALGORITHM = "mma_fp8"
+# The algorithms a policy names by default: "auto" for decode tiles (below; "mma_sync" where
+# the FP8 kernels do not apply: BF16 weights or no FP8 activation simulation),
+# "wgmma_fp8_coop" for prefill tiles ("wgmma_coop" where it does not apply: no FP8 activation
+# simulation, an odd number of K blocks; "wgmma" for BF16 weights and output features not a
+# multiple of 128). Measured choices: docs/performance.md.
+DEFAULT_DECODE_ALGORITHM = "auto"
 DEFAULT_PREFILL_ALGORITHM = "wgmma_fp8_coop"
+
+# "auto", a decode algorithm that names no kernel: the warp kernel per launch, by the decode
+# GEMMs measured one by one (docs/performance.md, "A decode kernel per launch"). "wgmma_rs"
+# issues fewer instructions per MMA and is faster or level on every launch but two kinds,
+# which run "mma_fp8": a gated launch of more than AUTO_MAX_ROWS rows (the routed w1/w3 at
+# batch 8 and 64: each step's warpgroup MMA waits for the slowest of its four warps), and an
+# ungated one of more than AUTO_MAX_ROWS rows per group (the small dense linears at batch 64,
+# several row tiles per weight block).
+AUTO_DECODE_ALGORITHM = "auto"
+AUTO_MAX_ROWS = 2 * WARP_TOKENS
+DECODE_ALGORITHMS = ALGORITHMS + (AUTO_DECODE_ALGORITHM,)
+
+
+def auto_decode_algorithm(num_rows: int, num_groups: int, gated: bool) -> str:
+    """The warp kernel that "auto" runs for a launch of ``num_rows`` rows in ``num_groups``
+    groups (see ``AUTO_DECODE_ALGORITHM``)."""
+    many = num_rows > AUTO_MAX_ROWS * (1 if gated else num_groups)
+    return "mma_fp8" if many else "wgmma_rs"
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
@@ -518,8 +536,12 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM,
                   fp8_activations: bool = True, k_ins: tuple[int, ...] = (),
                   n_outs: tuple[int, ...] = (),
-                  split_k: int | None = 1, pdl: bool = False) -> GroupedGemmSm90Config:
-    """The one config both launches of a call use (the op checks support with it too).
+                  split_k: int | None = 1, pdl: bool = False,
+                  gated: bool = False) -> GroupedGemmSm90Config:
+    """The config of a launch (``gated``: of two matrices and the SwiGLU) in a call whose
+    launches have input features ``k_ins`` and outputs ``n_outs`` (the op checks support
+    with it too). Every launch of a call gets the same tiles, stages and K split; only
+    ``decode_algorithm="auto"`` differs between them (``auto_decode_algorithm``).
 
     Decode tiles (8 rows) while the average group holds at most ``WARP_ROWS_PER_EXPERT``
     rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``, then 128) -- unless
@@ -539,10 +561,12 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     fewer while two CTAs would not fit in an SM. ``pdl``: warp kernels launch as programmatic
     dependents ("start"; the launch upgrades it to "weights" where it may,
     ``GroupedGemmSm90Config.pdl``)."""
-    for name, value, allowed in (("decode_algorithm", decode_algorithm, ALGORITHMS),
+    for name, value, allowed in (("decode_algorithm", decode_algorithm, DECODE_ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
             raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
+    if decode_algorithm == AUTO_DECODE_ALGORITHM:
+        decode_algorithm = auto_decode_algorithm(num_rows, num_groups, gated)
     decode = num_rows <= WARP_ROWS_PER_EXPERT * num_groups
     if (not decode and n_outs and num_rows <= WARP_ROWS_FEW_CTAS * num_groups
             and decode_algorithm in WARP_ALGORITHMS):

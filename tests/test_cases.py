@@ -11,7 +11,7 @@ import dsv4_jax as dj
 from dsv4_jax import quant
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.dispatch import cuda_target
-from dsv4_jax.ffi.moe_sm90 import moe_config
+from dsv4_jax.ffi.moe_sm90 import moe_configs
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 
 
@@ -91,13 +91,14 @@ def test_the_launch_alone_lowers_for_the_gpu():
     case = cases.moe_case("tiny", "fp4", 3, "random")
     p = case.weights
     xa, ea, wa = cases.assignment_rows(case.x, case.idx, case.w)
-    config = moe_config(ea.size, p["w1"], p["w2"], simulate=True, policy=GroupedGemmPolicy())
+    up_config, down_config = moe_configs(ea.size, p["w1"], p["w2"], simulate=True,
+                                         policy=GroupedGemmPolicy())
     with cuda_target():
         up, args = cases.grouped_launch(xa, ea, p["w1"], w_up=p["w3"], row_weights=wa,
-                                        config=config, simulate=True)
+                                        config=up_config, simulate=True)
         h = jax.eval_shape(up, *args)
         down, down_args = cases.grouped_launch(jnp.zeros(h.shape, h.dtype), ea, p["w2"],
-                                               config=config, simulate=True, presorted=True)
+                                               config=down_config, simulate=True, presorted=True)
         for fn, a in ((up, args), (down, down_args)):
             text = fn.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
             assert "GroupedGemm" in text

@@ -30,7 +30,7 @@ def test_variants_start_with_the_model_config_and_fit():
                                 algorithms=("mma_sync",))
     labels = [label for label, _ in out]
     model = out[0][1]
-    assert labels[0] == "model" and (model.algorithm, model.split_k) == ("mma_fp8", 8)
+    assert labels[0] == "model" and (model.algorithm, model.split_k) == ("wgmma_rs", 8)
     assert "decode_algorithm mma_sync" in labels
     assert {c.ablation for _, c in out} >= set(support.KERNELS["mma_fp8"].ablations) - {
         "no_dequant"}                                          # FP8 weights: nothing to convert

@@ -121,7 +121,8 @@ def test_kernel_variables_parse_into_the_grouped_gemm_policy():
      "KernelPolicy: sparse_attention must be a SparseAttentionSm90Config or None, got tuple"),
     (lambda: GroupedGemmPolicy(decode_algorithm="simt"), ValueError,
      r"GroupedGemmPolicy: decode_algorithm must be one of \('wgmma', 'mma_sync', 'mma_fp8', "
-     r"'wgmma_rs', 'mma_fp8_stream', 'wgmma_fp8', 'wgmma_coop', 'wgmma_fp8_coop'\), got "
+     r"'wgmma_rs', 'mma_fp8_stream', 'wgmma_fp8', 'wgmma_coop', 'wgmma_fp8_coop', "
+     r"'auto'\), got "
      r"'simt'"),
     (lambda: GroupedGemmPolicy(prefill_algorithm="mma_fp8"), ValueError,
      r"prefill_algorithm must be one of \('wgmma', 'wgmma_fp8', 'wgmma_coop', "

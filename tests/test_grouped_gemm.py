@@ -221,7 +221,7 @@ def test_cute_coop_prefill_matches_the_reference(name, tokens, algorithm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("algorithm", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("algorithm", ["auto", "mma_fp8", "wgmma_rs", "mma_sync", "wgmma"])
 def test_cute_decode_algorithms_match_the_reference(algorithm):
     w = _flash_weight("fp8", 1, 1024, 4096, 1)
     x = jax.random.normal(jax.random.key(5), (8, 4096), jnp.float32).astype(jnp.bfloat16)

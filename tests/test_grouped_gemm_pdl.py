@@ -45,14 +45,15 @@ def test_the_configs_that_take_pdl():
 @pytest.mark.parametrize("pdl", [True, False])
 def test_the_policy_gives_each_launch_its_mode(pdl):
     """Decode tiles of the warp kernels take "start" under ``GroupedGemmPolicy(pdl=True)``,
-    upgraded to "weights" for "mma_fp8" launches of constant tiles; prefill tiles and
-    ``pdl=False`` none."""
+    upgraded to "weights" for the kernels that quantise their tokens ("mma_fp8", "wgmma_rs")
+    on constant tiles; prefill tiles and ``pdl=False`` none."""
     policy = GroupedGemmPolicy(pdl=pdl)
     dense = gemm.resolve_config(policy, 8, 1, "fp8", (4096,), True, (2048,))
-    routed = gemm.resolve_config(policy, 8 * 6, 256, "fp4", (4096, 2048), True, (2048, 4096))
+    routed = gemm.resolve_config(policy, 8 * 6, 256, "fp4", (4096, 2048), True, (2048, 4096),
+                                 gated=True)
     wo_a = gemm.resolve_config(policy, 8 * 8, 8, "fp8", (4096,), False, (1024,))
     prefill = gemm.resolve_config(policy, 4096, 1, "fp8", (4096,), True, (2048,))
-    assert (dense.algorithm, routed.algorithm, wo_a.algorithm) == ("mma_fp8", "mma_fp8",
+    assert (dense.algorithm, routed.algorithm, wo_a.algorithm) == ("wgmma_rs", "mma_fp8",
                                                                    "mma_sync")
     assert prefill.spec.tiles == "any" and prefill.pdl == ""
     want = "start" if pdl else ""
@@ -80,7 +81,7 @@ def test_the_models_decode_launches_take_their_modes(monkeypatch, pdl):
     for groups, algorithm, mode in launched:
         if not pdl:
             assert mode == ""
-        elif groups == 1 and algorithm == "mma_fp8":
+        elif groups == 1 and algorithm in ("mma_fp8", "wgmma_rs"):
             assert mode == "weights"
         else:
             assert mode == "start", (groups, algorithm, mode)
@@ -121,7 +122,7 @@ def test_the_probe_lowers_a_pair_of_launches():
     (n1, k1, gated), (n2, k2) = pdl_probe.pairs(Config.flash(quantized=True))["shared"]
     first, c1 = pdl_probe.launch_fn(1, n1, k1, gated, "weights")
     second, c2 = pdl_probe.launch_fn(1, n2, k2, False, "weights")
-    assert (c1.pdl, c2.pdl, c1.algorithm) == ("weights", "weights", "mma_fp8")
+    assert (c1.pdl, c2.pdl, c1.algorithm) == ("weights", "weights", "wgmma_rs")
     w = lambda n, k: (jax.ShapeDtypeStruct((1, n, k), jnp.float8_e4m3fn),   # noqa: E731
                       jax.ShapeDtypeStruct((1, n // 128, k // 128), jnp.uint8))
     x = jax.ShapeDtypeStruct((1, k1), jnp.bfloat16)

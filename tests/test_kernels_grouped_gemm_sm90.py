@@ -507,14 +507,40 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
     """Warp kernels (8-row tiles) up to 16 rows per expert, 64-row WGMMA tiles up to 40,
     then 128 (the H200 crossover in kernels/grouped_gemm_config.py); bf16 weights cap tiles at 64."""
     e = 256
-    picks = {rows: support.choose_config(rows, e, "fp4") for rows in
+    picks = {rows: support.choose_config(rows, e, "fp4", gated=True) for rows in
              (6, 16 * e, 16 * e + 1, 40 * e, 40 * e + 1, 96 * e)}
     assert [(c.algorithm, c.block_n) for c in picks.values()] == [
-        ("mma_fp8", 8), ("mma_fp8", 8), ("wgmma_fp8_coop", 64), ("wgmma_fp8_coop", 64),
+        ("wgmma_rs", 8), ("mma_fp8", 8), ("wgmma_fp8_coop", 64), ("wgmma_fp8_coop", 64),
         ("wgmma_fp8_coop", 128), ("wgmma_fp8_coop", 128)]
     assert support.choose_config(96 * e, e, "bf16").block_n == 64
     assert support.choose_config(12 * e, e, "fp4", fp8_activations=False).algorithm \
         == "mma_sync"
+
+
+def test_auto_decode_picks_the_warp_kernel_per_launch():
+    """"auto" (the default): "wgmma_rs" for every decode launch but a gated one of more than
+    AUTO_MAX_ROWS rows and an ungated one of more than that many per group, which run
+    "mma_fp8"; the two launches of a call keep the same tiles, stages and K split; the FP8
+    kernels' fallback still applies."""
+    assert support.DEFAULT_DECODE_ALGORITHM == support.AUTO_DECODE_ALGORITHM == "auto"
+    limit = support.AUTO_MAX_ROWS
+
+    def pick(rows, gated, fmt="fp4", **kw):
+        return support.choose_config(rows, 256, fmt, gated=gated, k_ins=(4096, 2048),
+                                     n_outs=(2048, 4096), split_k=None, **kw)
+    for rows in (1, 6, limit, limit + 1, 48, 384):
+        up, down = pick(rows, True), pick(rows, False)
+        assert up.algorithm == ("mma_fp8" if rows > limit else "wgmma_rs"), rows
+        assert down.algorithm == "wgmma_rs", rows
+        assert dataclasses.replace(up, algorithm=down.algorithm) == down, rows
+    dense = lambda rows: support.choose_config(   # noqa: E731
+        rows, 1, "fp8", n_outs=(1024,), k_ins=(4096,), split_k=None).algorithm
+    assert (dense(8), dense(limit), dense(64)) == ("wgmma_rs", "wgmma_rs", "mma_fp8")
+    assert pick(48, True, "bf16").algorithm == pick(48, False, "bf16").algorithm == "mma_sync"
+    assert pick(6, False, fp8_activations=False).algorithm == "mma_sync"
+    assert pick(8192, True).algorithm == "wgmma_fp8_coop"
+    with pytest.raises(ValueError, match="decode_algorithm"):
+        support.choose_config(8, 256, "fp4", decode_algorithm="automatic")
 
 
 def test_mma_fp8_falls_back_where_it_does_not_apply():

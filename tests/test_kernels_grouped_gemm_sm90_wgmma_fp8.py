@@ -138,7 +138,7 @@ def test_prefill_algorithm_selection():
         assert support.choose_config(**args).algorithm == "wgmma", kw
     # Decode tiles keep their own algorithm.
     assert support.choose_config(8, 256, "fp4", prefill_algorithm="wgmma_fp8").algorithm \
-        == support.DEFAULT_DECODE_ALGORITHM
+        == support.auto_decode_algorithm(8, 256, gated=False)
     with pytest.raises(ValueError, match="prefill_algorithm"):
         support.choose_config(4096, 16, "fp4", prefill_algorithm="mma_sync")
 

@@ -72,7 +72,7 @@ def test_prefill_tiles_take_fp8_coop_when_asked():
     assert fp8.algorithm == "wgmma_fp8_coop" and fp8.smem_bytes("fp8", True) <= support.SMEM_BYTES
     # Decode-size rows keep the warp kernels.
     assert support.choose_config(8, FLASH_EXPERTS, "fp4", prefill_algorithm="wgmma_fp8_coop"
-                                 ).algorithm == support.DEFAULT_DECODE_ALGORITHM
+                                 ).algorithm == support.auto_decode_algorithm(8, 256, gated=False)
 
 
 @pytest.mark.parametrize("kw, want", [

@@ -384,10 +384,11 @@ def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
 
 
 # Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
-# applies: the default ("mma_fp8" for FP4/FP8 weights, "mma_sync" for BF16) on more token
-# counts and routings than GPU_CASES, and the others ("mma_sync", "mma_fp8_stream" and
-# "wgmma_rs" for FP4/FP8; "wgmma": the prefill kernel with 8-row tiles, kept selectable) on
-# fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
+# applies: the default ("auto" for FP4/FP8 weights: "wgmma_rs", and "mma_fp8" for the gated
+# launch of more than AUTO_MAX_ROWS rows; "mma_sync" for BF16) on more token counts and
+# routings than GPU_CASES, and the others ("mma_fp8", "mma_sync", "mma_fp8_stream" and
+# "wgmma_rs" for FP4/FP8 in both launches; "wgmma": the prefill kernel with 8-row tiles, kept
+# selectable) on fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
 DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in (1, 3, 8, 16)
                  for r in ("random", "dropped", "few_experts")]
                 + [("small", f, 64, "one_expert", "") for f in ("fp4", "fp8", "bf16")]
@@ -396,6 +397,9 @@ DECODE_CASES = ([("small", f, t, r, "") for f in ("fp4", "fp8", "bf16") for t in
                 # Flash T = 512, 12 per expert, with the default).
                 + [("flash", f, 170, r, "") for f in ("fp4", "fp8")
                    for r in ("random", "one_expert")]
+                + [("small", f, t, r, "mma_fp8") for f in ("fp4", "fp8") for t in (1, 8)
+                   for r in ("random", "dropped")]
+                + [("flash", f, t, "random", "mma_fp8") for f in ("fp4", "fp8") for t in (1, 8)]
                 + [("small", f, t, r, "mma_sync") for f in ("fp4", "fp8") for t in (1, 3, 8, 16)
                    for r in ("random", "dropped")]
                 + [("small", f, 64, "one_expert", "mma_sync") for f in ("fp4", "fp8")]

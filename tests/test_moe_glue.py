@@ -36,10 +36,10 @@ def emulated_grouped_gemm(xs, tiles, weight, scale, *, weight_b=None, scale_b=No
                           token_stride=1):
     """The kernel's arithmetic in XLA; the FP8-activation algorithms take e4m3 codes and
     their per-128 scales, whose products are exactly the simulation's bf16 rows, or
-    quantise the bf16 rows themselves ("mma_fp8", which also reads row m of the tiles from
-    token row m // token_stride)."""
+    quantise the bf16 rows themselves ("mma_fp8" and "wgmma_rs", which also read row m of the
+    tiles from token row m // token_stride)."""
     if token_stride != 1:
-        assert config.algorithm == "mma_fp8", config
+        assert config.spec.quantizes_tokens, config
         xs = jnp.repeat(xs, token_stride, axis=0)
     if x_scale is not None:
         xs = (xs.astype(jnp.float32) * jnp.repeat(x_scale, support.BLOCK_K, axis=1)
@@ -132,6 +132,31 @@ def test_decode_row_tiles_read_their_tokens_in_the_kernel(monkeypatch):
     assert (gated_rows, gated_stride) == (3, moe_cases.K)
     assert (w2_rows, w2_stride) == (3 * moe_cases.K, 1)
     np.testing.assert_array_equal(np.asarray(groups), np.asarray(idx).reshape(-1))
+
+
+@pytest.mark.parametrize("tokens, kernels", [(3, ("wgmma_rs", "wgmma_rs")),
+                                            (11, ("mma_fp8", "wgmma_rs"))])
+def test_auto_gives_each_launch_its_kernel(monkeypatch, tokens, kernels):
+    """The default decode algorithm ("auto"): the gated launch of more than AUTO_MAX_ROWS rows
+    runs "mma_fp8", the w2 launch of the same rows "wgmma_rs", on one schedule; the result is
+    the reference's."""
+    seen = []
+
+    def spy(xs, tiles, *args, **kwargs):
+        seen.append((kwargs["config"].algorithm, tiles[0].shape))
+        return emulated_grouped_gemm(xs, tiles, *args, **kwargs)
+    monkeypatch.setattr(gemm, "launch", spy)
+    x, idx, w, p = _inputs("fp4", tokens)
+    assert (tokens * moe_cases.K > support.AUTO_MAX_ROWS) == (kernels[0] == "mma_fp8")
+    got = op.moe_experts_cute(x, idx, w, p["w1"], p["w3"], p["w2"], swiglu_limit=LIMIT,
+                              simulate=True, policy=GroupedGemmPolicy())
+    want = op.moe_experts_reference(x, idx, w, p["w1"], p["w3"], p["w2"], swiglu_limit=LIMIT,
+                                    quantized=True, simulate=True)
+    assert tuple(a for a, _ in seen) == kernels
+    assert seen[0][1] == seen[1][1]                              # the same tiles
+    scale = float(np.abs(np.asarray(want)).mean())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2 ** -7,
+                               atol=2 ** -8 * scale)
 
 
 def test_the_op_picks_the_token_level_kernel_path(monkeypatch):

@@ -19,7 +19,8 @@ CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm90",
               "mma_fp8": "GroupedGemmMmaFp8Sm90", "wgmma_fp8": "GroupedGemmWgmmaFp8Sm90",
               "wgmma_coop": "GroupedGemmWgmmaCoopSm90",
-              "wgmma_fp8_coop": "GroupedGemmWgmmaFp8CoopSm90"}
+              "wgmma_fp8_coop": "GroupedGemmWgmmaFp8CoopSm90",
+              "wgmma_rs": "GroupedGemmWgmmaRsSm90"}
 BATCH = 2
 OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
                            "hc_pre": "xla", "hc_split_sinkhorn": "xla",
@@ -65,13 +66,15 @@ PREFILL_KERNEL = {"fp4": "wgmma_coop", "fp8": "wgmma_fp8_coop"}
 
 @pytest.mark.parametrize("expert_dtype, tokens, algorithm", [
     ("fp4", 1, ""), ("fp4", PREFILL_TOKENS, "wgmma"), ("fp8", 1, ""), ("fp4", 1, "wgmma"),
-    ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync"), ("fp8", PREFILL_TOKENS, "")],
+    ("fp4", 1, "mma_sync"), ("fp8", 1, "mma_sync"), ("fp8", PREFILL_TOKENS, ""),
+    ("fp4", 1, "mma_fp8")],
     ids=["fp4-decode", "fp4-prefill", "fp8-decode", "fp4-decode-wgmma", "fp4-decode-mma-sync",
-         "fp8-decode-mma-sync", "fp8-prefill"])
+         "fp8-decode-mma-sync", "fp8-prefill", "fp4-decode-mma-fp8"])
 def test_model_step_lowers_to_the_moe_kernel(expert_dtype, tokens, algorithm):
     cfg = _config(expert_dtype)
     gemm = GroupedGemmPolicy(decode_algorithm=algorithm) if algorithm else GroupedGemmPolicy()
-    algorithm = PREFILL_KERNEL[expert_dtype] if tokens > 1 else (algorithm or "mma_fp8")
+    # Decode: "auto" runs "wgmma_rs" for both launches of this step's few rows.
+    algorithm = PREFILL_KERNEL[expert_dtype] if tokens > 1 else (algorithm or "wgmma_rs")
     ok, why = _kernel_supports(cfg, tokens)
     assert ok, f"the MoE kernel no longer supports the test config: {why}"
     # The other ops (attention, the dense linears, the mHC split) on their references: every
