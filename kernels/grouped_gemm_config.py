@@ -477,8 +477,12 @@ PREFILL_FP8_CONFIG = GroupedGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_st
 
 NUM_SMS = 132            # H100 SXM and H200
 # Rows per group up to which a launch whose WGMMA tiles would leave SMs idle runs the warp
-# kernels' 8-row tiles instead (each weight block then read by up to 16 tiles, through L2).
+# kernels' 8-row tiles instead (each weight block then read by up to 16 tiles, through L2) --
+# the FP8 warp kernels only: "mma_sync" converts every weight byte to bf16 again for each of
+# those tiles and is bound by it (the grouped wo_a at 32 and 64 rows per group: 1.7x and 2.3x
+# the time of the 64-row WGMMA tiles; docs/performance.md, "A decode kernel per launch").
 WARP_ROWS_FEW_CTAS = 128
+FEW_CTAS_ALGORITHMS = tuple(a for a in WARP_ALGORITHMS if a != "mma_sync")
 
 
 def _wgmma_block(num_rows: int, num_groups: int) -> int:
@@ -547,7 +551,8 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``, then 128) -- unless
     those WGMMA tiles would give fewer CTAs than SMs for the launches' output features
     ``n_outs`` (a dense linear of a small matrix at batch 64) with at most
-    ``WARP_ROWS_FEW_CTAS`` rows per group: then decode tiles too. Decode tiles run
+    ``WARP_ROWS_FEW_CTAS`` rows per group: then decode tiles too (not for "mma_sync":
+    ``FEW_CTAS_ALGORITHMS``). Decode tiles run
     ``decode_algorithm``, prefill tiles ``prefill_algorithm``. The FP8 algorithms need
     FP4/FP8 weights and FP8-quantised activations (``fp8_activations``: the simulation is
     on), else they become "mma_sync" / "wgmma" ("wgmma_fp8_coop": "wgmma_coop"); the FP8
@@ -567,16 +572,16 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
             raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
     if decode_algorithm == AUTO_DECODE_ALGORITHM:
         decode_algorithm = auto_decode_algorithm(num_rows, num_groups, gated)
-    decode = num_rows <= WARP_ROWS_PER_EXPERT * num_groups
-    if (not decode and n_outs and num_rows <= WARP_ROWS_FEW_CTAS * num_groups
-            and decode_algorithm in WARP_ALGORITHMS):
-        block = _wgmma_block(num_rows, num_groups)
-        ctas = min(n_outs) // BLOCK_M * num_groups * -(-num_rows // num_groups // block)
-        decode = ctas < NUM_SMS
     fp8_ok = weight_format != "bf16" and fp8_activations
     if decode_algorithm in FP8_ACTIVATION_ALGORITHMS and decode_algorithm in WARP_ALGORITHMS \
             and not fp8_ok:
         decode_algorithm = "mma_sync"
+    decode = num_rows <= WARP_ROWS_PER_EXPERT * num_groups
+    if (not decode and n_outs and num_rows <= WARP_ROWS_FEW_CTAS * num_groups
+            and decode_algorithm in FEW_CTAS_ALGORITHMS):
+        block = _wgmma_block(num_rows, num_groups)
+        ctas = min(n_outs) // BLOCK_M * num_groups * -(-num_rows // num_groups // block)
+        decode = ctas < NUM_SMS
     if not fp8_ok or any((k // BLOCK_K) % 2 for k in k_ins):
         # The FP8 WGMMA kernels become their bf16 counterparts.
         fallback = {"wgmma_fp8": "wgmma", "wgmma_fp8_coop": "wgmma_coop"}

@@ -668,3 +668,17 @@ def test_dense_launches_with_few_wgmma_ctas_take_warp_tiles():
     assert pick(32768).algorithm == "wgmma_fp8_coop"
     assert support.choose_config(64, 1, "fp8", k_ins=(4096,)).algorithm \
         == "wgmma_fp8_coop"     # no N
+
+
+def test_bf16_token_launches_keep_wgmma_tiles_with_few_ctas():
+    """The grouped wo_a (8 groups of 1024 x 4096 FP8, bf16 tokens: no FP8 simulation) at 32
+    and 64 rows per group: "mma_sync" would convert every weight again per 8-row tile, so
+    the 64-row WGMMA tiles run although they give fewer CTAs than SMs; up to 16 rows per
+    group it stays on the warp kernel (the WGMMA tiles' size follows the rows per group)."""
+    pick = lambda rows: support.choose_config(  # noqa: E731
+        rows, 8, "fp8", fp8_activations=False, n_outs=(1024,), k_ins=(4096,), split_k=None)
+    assert (pick(8 * 16).algorithm, pick(8 * 16).block_n) == ("mma_sync", 8)
+    for rows, block in ((8 * 32, 64), (8 * 64, 128)):
+        assert (pick(rows).algorithm, pick(rows).block_n) == ("wgmma_coop", block), rows
+    assert "mma_sync" not in support.FEW_CTAS_ALGORITHMS
+    assert set(support.FEW_CTAS_ALGORITHMS) < set(support.WARP_ALGORITHMS)
