@@ -24,7 +24,7 @@ weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 
 copy is timed first as the achievable bandwidth.
 
 Variants: "model" (``resolve_config`` under the default ``GroupedGemmPolicy``, as the model
-calls it); ``--algorithms``: the config under each named decode algorithm (the policy's
+calls it; the routed launches with both launches' features, as the MoE op resolves them); ``--algorithms``: the config under each named decode algorithm (the policy's
 ``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
 pipeline stages x K split (those that fit shared memory and whole scale groups);
 ``--ablations``: the model's config with each of its kernel's benchmark-only ablations
@@ -104,9 +104,15 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
     kernel's, or those named that it has; the K split's only where it splits)."""
+    # The routed experts' launches resolve as the MoE op resolves them: with the features of
+    # both launches of its call (w1/w3: K = d, N = inter; w2 the reverse), which set their
+    # shared K split and stages (ffi/moe_sm90.moe_configs).
+    k_ins, n_outs = (((shape.k, shape.n), (shape.n, shape.k)) if shape.routed
+                     else ((shape.k,), (shape.n,)))
+
     def config(**policy):
         return resolve_config(GroupedGemmPolicy(**policy), rows, shape.groups, shape.fmt,
-                              (shape.k,), shape.simulate, (shape.n,), gated=shape.gated)
+                              k_ins, shape.simulate, n_outs, gated=shape.gated)
     model = config(**({"decode_algorithm": base} if base else {}))
     out = [(f"policy {base}" if base else "model", model)]
     for algorithm in algorithms:

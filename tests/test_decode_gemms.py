@@ -3,11 +3,18 @@ its variants start with the model's config and stay within what the kernels take
 import os
 import sys
 
+import pytest
+
+import jax
+import jax.numpy as jnp
+
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCH)
 
 import decode_gemms  # noqa: E402
+from dsv4_jax import quant  # noqa: E402
 from dsv4_jax.config import Config  # noqa: E402
+from dsv4_jax.ffi.moe_sm90 import moe_configs  # noqa: E402
 from dsv4_jax.kernels import grouped_gemm_config as support  # noqa: E402
 
 
@@ -38,3 +45,20 @@ def test_variants_start_with_the_model_config_and_fit():
         assert config.smem_bytes(shape.fmt, shape.gated) <= support.SMEM_BYTES, label
         assert config.split_k <= shape.k // support.BLOCK_K // 4, label
     assert len({c for _, c in out}) == len(out)                # no variant twice
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_routed_launches_take_the_configs_the_moe_op_gives_them(tokens):
+    """The routed rows' "model" configs are the MoE op's own (``moe_configs``: both launches'
+    features set the shared K split and stages; "auto" picks each launch's kernel)."""
+    cfg = Config.flash(quantized=True)
+    shapes = decode_gemms.gemm_shapes(cfg)
+    rows = tokens * cfg.n_activated_experts
+    e = cfg.n_routed_experts
+    w = lambda n, k: (jax.ShapeDtypeStruct((e, n, k // 2), jnp.uint8),  # noqa: E731
+                      jax.ShapeDtypeStruct((e, n, k // 32), quant.E8M0_DTYPE))
+    d, inter = cfg.dim, cfg.moe_inter_dim
+    want = moe_configs(rows, w(inter, d), w(d, inter), simulate=True, policy=None)
+    got = tuple(decode_gemms.variants(shapes[name], rows, sweep=False, ablations=False)[0][1]
+                for name in ("routed_w13", "routed_w2"))
+    assert got == want
