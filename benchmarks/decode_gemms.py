@@ -24,7 +24,8 @@ weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 
 copy is timed first as the achievable bandwidth.
 
 Variants: "model" (``resolve_config`` under the default ``GroupedGemmPolicy``, as the model
-calls it; the routed launches with both launches' features, as the MoE op resolves them); ``--algorithms``: the config under each named decode algorithm (the policy's
+calls it; the routed launches with both launches' features, as the MoE op resolves them);
+``--algorithms``: the config under each named decode algorithm (the policy's
 ``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
 pipeline stages x K split (those that fit shared memory and whole scale groups);
 ``--ablations``: the model's config with each of its kernel's benchmark-only ablations
