@@ -34,8 +34,9 @@ def test_prefill_tiles_take_coop_when_asked():
     assert support.choose_config(rows, FLASH_EXPERTS, "fp4", prefill_algorithm="wgmma_coop",
                                  fp8_activations=False).algorithm == "wgmma_coop"
     # Decode-size rows keep the warp kernels.
-    assert support.choose_config(8, FLASH_EXPERTS, "fp4",
-                                 prefill_algorithm="wgmma_coop").algorithm == "mma_fp8"
+    assert support.choose_config(8, FLASH_EXPERTS, "fp4", prefill_algorithm="wgmma_coop"
+                                 ).algorithm == support.auto_decode_algorithm(8, FLASH_EXPERTS,
+                                                                              gated=False)
 
 
 @pytest.mark.parametrize("fmt, n_outs", [("bf16", ()), ("fp4", (2048, 4160))])
