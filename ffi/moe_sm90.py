@@ -36,17 +36,15 @@ MoeConfigs = tuple[GroupedGemmSm90Config, GroupedGemmSm90Config]
 def moe_configs(rows: int, w1, w2, *, simulate: bool,
                 policy: GroupedGemmPolicy | None) -> MoeConfigs | None:
     """The kernel configs of the gated launch and of the w2 launch for ``rows`` assignment
-    rows (None: the weights are in no kernel format). Both launches run on one schedule: a
-    w2 config whose tiles differ from the gated one's is replaced by it."""
+    rows (None: the weights are in no kernel format). Resolved for the same call, they share
+    tiles, stages and K split, so both launches run on one schedule; only the kernel may
+    differ (``choose_config``)."""
     fmt = gemm.kernel_weight_format(*w1)
     if fmt is None:
         return None
     d, inter = w2[0].shape[1], w1[0].shape[1]
-    gated, down = (gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter),
-                                       simulate, (inter, d), gated=g) for g in (True, False))
-    same_tiles = (gated.spec.tiles, gated.block_n, gated.spec.quantizes_tokens) == (
-        down.spec.tiles, down.block_n, down.spec.quantizes_tokens)
-    return gated, down if same_tiles else gated
+    return tuple(gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter), simulate,
+                                     (inter, d), gated=g) for g in (True, False))
 
 
 def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
