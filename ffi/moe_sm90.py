@@ -37,8 +37,8 @@ def moe_configs(rows: int, w1, w2, *, simulate: bool,
                 policy: GroupedGemmPolicy | None) -> MoeConfigs | None:
     """The kernel configs of the gated launch and of the w2 launch for ``rows`` assignment
     rows (None: the weights are in no kernel format). Resolved for the same call, they share
-    tiles, stages and K split, so both launches run on one schedule; only the kernel may
-    differ (``choose_config``)."""
+    tiles, so both launches run on one schedule; under "auto" their kernels, K splits and
+    stages may differ (``choose_config``)."""
     fmt = gemm.kernel_weight_format(*w1)
     if fmt is None:
         return None

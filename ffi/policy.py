@@ -40,9 +40,11 @@ class GroupedGemmPolicy:
     into the kernel config that the support check and the launch both use.
 
     decode_algorithm: kernel for decode-size inputs (few rows per group): ``"auto"`` (the
-      default: ``"wgmma_rs"``, but ``"mma_fp8"`` for a gated launch of more than
-      ``grouped_gemm_config.AUTO_MAX_ROWS`` rows and an ungated one of more than that many
-      rows per group; measured per launch in docs/performance.md), ``"mma_fp8"``
+      default: ``"wgmma_rs"``, its K split for launches of more than
+      ``grouped_gemm_config.AUTO_MAX_ROWS`` rows by ``many_rows_split_k``; but ``"mma_fp8"``
+      for a gated launch of more rows whose K does not split or whose split is pinned, and
+      an ungated one of more than that many rows per group; measured per launch in
+      docs/performance.md), ``"mma_fp8"``
       (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
       simulation -- ``"mma_sync"`` runs), ``"mma_fp8_stream"`` (its MMAs with the weights
       loaded into registers; the same fallback), ``"wgmma_rs"`` (its conversion feeding
@@ -54,8 +56,9 @@ class GroupedGemmPolicy:
       warpgroups, bf16 WGMMAs; FP4/FP8 weights and output features a multiple of 128, else
       ``"wgmma"``), ``"wgmma"`` or ``"wgmma_fp8"``.
     split_k: K split of the decode kernels for at most two tiles of rows: None (automatic:
-      split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``), or
-      that many splits (1: none).
+      split a launch that would leave SMs idle, ``grouped_gemm_config.auto_split_k``, and
+      "wgmma_rs" launches of more rows by ``many_rows_split_k``), or that many splits for
+      at most two tiles of rows and none for more (1: none).
     pair_linears: linears that share their input (``ffi.grouped_gemm_pair``) in one launch
       of the decode kernels (False: a launch each, for comparisons).
     pdl: the decode kernels launch as programmatic dependents: each may begin while the

@@ -444,22 +444,53 @@ DEFAULT_DECODE_ALGORITHM = "auto"
 DEFAULT_PREFILL_ALGORITHM = "wgmma_fp8_coop"
 
 # "auto", a decode algorithm that names no kernel: the warp kernel per launch, by the decode
-# GEMMs measured one by one (docs/performance.md, "A decode kernel per launch"). "wgmma_rs"
-# issues fewer instructions per MMA and is faster or level on every launch but two kinds,
-# which run "mma_fp8": a gated launch of more than AUTO_MAX_ROWS rows (the routed w1/w3 at
-# batch 8 and 64: each step's warpgroup MMA waits for the slowest of its four warps), and an
-# ungated one of more than AUTO_MAX_ROWS rows per group (the small dense linears at batch 64,
-# several row tiles per weight block).
+# GEMMs measured one by one (docs/performance.md, "A decode kernel per launch" and "The routed
+# launches split K"). "wgmma_rs" issues fewer instructions per MMA and is faster or level on
+# every launch of at most AUTO_MAX_ROWS rows; a gated launch of more rows (the routed w1/w3 at
+# batch 3 and up) waits at each step's warpgroup MMA for the slowest of its four warps unless
+# its K is split (``many_rows_split_k``), and runs "mma_fp8" where its split is pinned or K too
+# short to split; an ungated launch of more than AUTO_MAX_ROWS rows per group (the small dense
+# linears at batch 64, several row tiles per weight block) runs "mma_fp8".
 AUTO_DECODE_ALGORITHM = "auto"
 AUTO_MAX_ROWS = 2 * WARP_TOKENS
 DECODE_ALGORITHMS = ALGORITHMS + (AUTO_DECODE_ALGORITHM,)
+# "wgmma_rs" launches of more than AUTO_MAX_ROWS rows, at most that many per group, K split
+# automatic: gated ones split K 4 ways, ungated ones of at most MANY_ROWS_SPLIT_MAX_ROWS rows 2
+# ways (the routed w1/w3 at T = 3 ... 64 and w2 at T = 8, 16; w2 at T = 32, 64 is level or
+# slower split).
+MANY_ROWS_GATED_SPLIT_K = 4
+MANY_ROWS_SPLIT_K = 2
+MANY_ROWS_SPLIT_MAX_ROWS = 8 * AUTO_MAX_ROWS
 
 
-def auto_decode_algorithm(num_rows: int, num_groups: int, gated: bool) -> str:
+def many_rows_split_k(num_rows: int, num_groups: int, gated: bool, weight_format: str,
+                      k_ins: tuple[int, ...]) -> int:
+    """The automatic K split of a "wgmma_rs" decode launch of more than ``AUTO_MAX_ROWS``
+    rows, at most that many per group, in ``num_groups`` groups (1 otherwise; fewer rows:
+    ``auto_split_k``), at most one split per scale group of the shortest of ``k_ins`` (none
+    without them)."""
+    if num_rows <= AUTO_MAX_ROWS or num_rows > AUTO_MAX_ROWS * num_groups or not k_ins:
+        return 1
+    want = (MANY_ROWS_GATED_SPLIT_K if gated
+            else MANY_ROWS_SPLIT_K if num_rows <= MANY_ROWS_SPLIT_MAX_ROWS else 1)
+    k_blocks = min(k_ins) // BLOCK_K
+    groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
+    per = -(-groups // min(want, groups))             # scale groups per split
+    return -(-groups // per)
+
+
+def auto_decode_algorithm(num_rows: int, num_groups: int, gated: bool,
+                          weight_format: str = "fp4", k_ins: tuple[int, ...] = (),
+                          split_k: int | None = None) -> str:
     """The warp kernel that "auto" runs for a launch of ``num_rows`` rows in ``num_groups``
-    groups (see ``AUTO_DECODE_ALGORITHM``)."""
-    many = num_rows > AUTO_MAX_ROWS * (1 if gated else num_groups)
-    return "mma_fp8" if many else "wgmma_rs"
+    groups with input features ``k_ins``, K split ``split_k`` (None: automatic; see
+    ``AUTO_DECODE_ALGORITHM``)."""
+    if num_rows <= AUTO_MAX_ROWS * (1 if gated else num_groups):
+        return "wgmma_rs"
+    if gated and split_k is None and many_rows_split_k(num_rows, num_groups, gated,
+                                                       weight_format, k_ins) > 1:
+        return "wgmma_rs"
+    return "mma_fp8"
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
@@ -544,8 +575,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   gated: bool = False) -> GroupedGemmSm90Config:
     """The config of a launch (``gated``: of two matrices and the SwiGLU) in a call whose
     launches have input features ``k_ins`` and outputs ``n_outs`` (the op checks support
-    with it too). Every launch of a call gets the same tiles, stages and K split; only
-    ``decode_algorithm="auto"`` differs between them (``auto_decode_algorithm``).
+    with it too). Every launch of a call gets the same tiles; with
+    ``decode_algorithm="auto"`` their kernels (``auto_decode_algorithm``), K splits and
+    stages may differ.
 
     Decode tiles (8 rows) while the average group holds at most ``WARP_ROWS_PER_EXPERT``
     rows, else prefill tiles (64 rows up to ``MID_ROWS_PER_EXPERT``, then 128) -- unless
@@ -562,7 +594,8 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     Warp kernels: for at most 2 tiles of rows, K split ``split_k`` ways (None:
     ``auto_split_k``) with ``SPLIT_STAGES`` stages when it splits, else
-    ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages;
+    ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages, or
+    for "wgmma_rs" with ``split_k`` None ``many_rows_split_k`` splits at ``SPLIT_STAGES``;
     fewer while two CTAs would not fit in an SM. ``pdl``: warp kernels launch as programmatic
     dependents ("start"; the launch upgrades it to "weights" where it may,
     ``GroupedGemmSm90Config.pdl``)."""
@@ -571,7 +604,8 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         if value not in allowed:
             raise ValueError(f"choose_config: {name} must be one of {allowed}, got {value!r}")
     if decode_algorithm == AUTO_DECODE_ALGORITHM:
-        decode_algorithm = auto_decode_algorithm(num_rows, num_groups, gated)
+        decode_algorithm = auto_decode_algorithm(num_rows, num_groups, gated, weight_format,
+                                                 k_ins, split_k)
     fp8_ok = weight_format != "bf16" and fp8_activations
     if decode_algorithm in FP8_ACTIVATION_ALGORITHMS and decode_algorithm in WARP_ALGORITHMS \
             and not fp8_ok:
@@ -597,6 +631,10 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                 split_k=split, token_stages=(FEW_TILES_TOKEN_STAGES
                                              if config.spec.quantizes_tokens
                                              else FP8_TOKEN_BUFFERS))
+        elif split_k is None and decode_algorithm == "wgmma_rs":
+            split = many_rows_split_k(num_rows, num_groups, gated, weight_format, k_ins)
+            if split > 1:
+                config = dataclasses.replace(config, num_stages=SPLIT_STAGES, split_k=split)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -40,7 +40,8 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
 3. Epilogue from the accumulator fragments: rows g, g + 8 (output features), tokens
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
 
-K split (``config.split_k`` > 1, grid z; the op takes it for at most two tiles of rows):
+K split (``config.split_k`` > 1, grid z; ``choose_config`` gives it to launches of at most
+two tiles of rows, and to "wgmma_rs" launches of more):
 CTA z runs K blocks [z p, z p + p) (``grouped_gemm_config.split_k_blocks``: whole scale
 groups); the split_k CTAs of a tile are one thread-block cluster, and CTA 0 adds the
 others' f32 sums from their shared memory, in split order, before its epilogue

@@ -50,7 +50,7 @@ def test_variants_start_with_the_model_config_and_fit():
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_routed_launches_take_the_configs_the_moe_op_gives_them(tokens):
     """The routed rows' "model" configs are the MoE op's own (``moe_configs``: both launches'
-    features set the shared K split and stages; "auto" picks each launch's kernel)."""
+    features cap the K splits; "auto" picks each launch's kernel, split and stages)."""
     cfg = Config.flash(quantized=True)
     shapes = decode_gemms.gemm_shapes(cfg)
     rows = tokens * cfg.n_activated_experts

@@ -40,25 +40,43 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
 
 
 def test_auto_decode_picks_the_warp_kernel_per_launch():
-    """"auto" (the default): "wgmma_rs" for every decode launch but a gated one of more than
-    AUTO_MAX_ROWS rows and an ungated one of more than that many per group, which run
-    "mma_fp8"; the two launches of a call keep the same tiles, stages and K split; the FP8
-    kernels' fallback still applies."""
+    """"auto" (the default): "wgmma_rs" for every decode launch of at most AUTO_MAX_ROWS rows;
+    above that, a gated launch keeps "wgmma_rs" with K split 4 ways where its K splits and
+    the split is automatic ("mma_fp8" else), an ungated one of at most that many rows per
+    group "wgmma_rs" (split 2 ways up to MANY_ROWS_SPLIT_MAX_ROWS rows), of more "mma_fp8";
+    the two launches of a call keep the same tiles; the FP8 kernels' fallback still
+    applies."""
     assert support.DEFAULT_DECODE_ALGORITHM == support.AUTO_DECODE_ALGORITHM == "auto"
     limit = support.AUTO_MAX_ROWS
 
-    def pick(rows, gated, fmt="fp4", **kw):
-        return support.choose_config(rows, 256, fmt, gated=gated, k_ins=(4096, 2048),
-                                     n_outs=(2048, 4096), split_k=None, **kw)
-    for rows in (1, 6, limit, limit + 1, 48, 384):
+    def pick(rows, gated, fmt="fp4", k_ins=(4096, 2048), split_k=None, **kw):
+        return support.choose_config(rows, 256, fmt, gated=gated, k_ins=k_ins,
+                                     n_outs=(2048, 4096), split_k=split_k, **kw)
+    for rows in (1, 6, limit):
         up, down = pick(rows, True), pick(rows, False)
-        assert up.algorithm == ("mma_fp8" if rows > limit else "wgmma_rs"), rows
-        assert down.algorithm == "wgmma_rs", rows
+        assert up.algorithm == down.algorithm == "wgmma_rs", rows
         assert dataclasses.replace(up, algorithm=down.algorithm) == down, rows
-    dense = lambda rows: support.choose_config(   # noqa: E731
-        rows, 1, "fp8", n_outs=(1024,), k_ins=(4096,), split_k=None).algorithm
-    assert (dense(8), dense(limit), dense(64)) == ("wgmma_rs", "wgmma_rs", "mma_fp8")
+    split = support.SPLIT_STAGES
+    for rows, down_split in ((limit + 1, 2), (48, 2), (support.MANY_ROWS_SPLIT_MAX_ROWS, 2),
+                             (support.MANY_ROWS_SPLIT_MAX_ROWS + 1, 1), (384, 1)):
+        up, down = pick(rows, True), pick(rows, False)
+        assert (up.algorithm, up.split_k, up.num_stages) == ("wgmma_rs", 4, split), rows
+        assert (down.algorithm, down.split_k) == ("wgmma_rs", down_split), rows
+        assert down.num_stages == (split if down_split > 1 else 4), rows
+        assert up.block_n == down.block_n == support.WARP_TOKENS, rows
+        # A pinned split, or a K too short to split (K = 512: one FP4 scale group).
+        assert pick(rows, True, split_k=1).algorithm == "mma_fp8", rows
+        assert pick(rows, True, k_ins=(512, 512)).algorithm == "mma_fp8", rows
+        assert pick(rows, False, split_k=1).split_k == 1, rows
+    # Splits start scale groups and none is left without work: Pro's w2 (K = 3072: 6 FP4
+    # scale groups) splits 3 ways, 2 groups each.
+    assert pick(48, True, k_ins=(7168, 3072)).split_k == 3
+    dense = lambda rows, gated=False: support.choose_config(   # noqa: E731
+        rows, 1, "fp8", n_outs=(1024,), k_ins=(4096,), split_k=None, gated=gated)
+    assert [dense(r).algorithm for r in (8, limit, 64)] == ["wgmma_rs", "wgmma_rs", "mma_fp8"]
+    assert (dense(32, True).algorithm, dense(32, True).split_k) == ("mma_fp8", 1)
     assert pick(48, True, "bf16").algorithm == pick(48, False, "bf16").algorithm == "mma_sync"
+    assert pick(48, False, "bf16").split_k == 1
     assert pick(6, False, fp8_activations=False).algorithm == "mma_sync"
     assert pick(8192, True).algorithm == "wgmma_fp8_coop"
     with pytest.raises(ValueError, match="decode_algorithm"):

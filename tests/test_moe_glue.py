@@ -138,8 +138,8 @@ def test_decode_row_tiles_read_their_tokens_in_the_kernel(monkeypatch):
                                             (11, ("mma_fp8", "wgmma_rs"))])
 def test_auto_gives_each_launch_its_kernel(monkeypatch, tokens, kernels):
     """The default decode algorithm ("auto"): the gated launch of more than AUTO_MAX_ROWS rows
-    runs "mma_fp8", the w2 launch of the same rows "wgmma_rs", on one schedule; the result is
-    the reference's."""
+    whose K is too short to split (as here) runs "mma_fp8", the w2 launch of the same rows
+    "wgmma_rs", on one schedule; the result is the reference's."""
     seen = []
 
     def spy(xs, tiles, *args, **kwargs):
