@@ -40,11 +40,11 @@ class GroupedGemmPolicy:
     into the kernel config that the support check and the launch both use.
 
     decode_algorithm: kernel for decode-size inputs (few rows per group): ``"auto"`` (the
-      default: ``"wgmma_rs"``, its K split for launches of more than
+      default: ``"wgmma_rs"``, K split for launches of more than
       ``grouped_gemm_config.AUTO_MAX_ROWS`` rows by ``many_rows_split_k``; but ``"mma_fp8"``
-      for a gated launch of more rows whose K does not split or whose split is pinned, and
-      an ungated one of more than that many rows per group; measured per launch in
-      docs/performance.md), ``"mma_fp8"``
+      for a gated launch of more rows that it does not split, and an ungated one of more
+      than that many rows per group; measured per launch in docs/performance.md),
+      ``"mma_fp8"``
       (FP8 tensor cores; where it does not apply -- BF16 weights, no FP8 activation
       simulation -- ``"mma_sync"`` runs), ``"mma_fp8_stream"`` (its MMAs with the weights
       loaded into registers; the same fallback), ``"wgmma_rs"`` (its conversion feeding

@@ -448,16 +448,16 @@ DEFAULT_PREFILL_ALGORITHM = "wgmma_fp8_coop"
 # launches split K"). "wgmma_rs" issues fewer instructions per MMA and is faster or level on
 # every launch of at most AUTO_MAX_ROWS rows; a gated launch of more rows (the routed w1/w3 at
 # batch 3 and up) waits at each step's warpgroup MMA for the slowest of its four warps unless
-# its K is split (``many_rows_split_k``), and runs "mma_fp8" where its split is pinned or K too
-# short to split; an ungated launch of more than AUTO_MAX_ROWS rows per group (the small dense
-# linears at batch 64, several row tiles per weight block) runs "mma_fp8".
+# its K is split (``many_rows_split_k``, up to MANY_ROWS_SPLIT_MAX_ROWS rows), and runs
+# "mma_fp8" where it is not split; an ungated launch of more than AUTO_MAX_ROWS rows per group
+# (the small dense linears at batch 64, several row tiles per weight block) runs "mma_fp8".
 AUTO_DECODE_ALGORITHM = "auto"
 AUTO_MAX_ROWS = 2 * WARP_TOKENS
 DECODE_ALGORITHMS = ALGORITHMS + (AUTO_DECODE_ALGORITHM,)
-# "wgmma_rs" launches of more than AUTO_MAX_ROWS rows, at most that many per group, K split
-# automatic: gated ones split K 4 ways, ungated ones of at most MANY_ROWS_SPLIT_MAX_ROWS rows 2
-# ways (the routed w1/w3 at T = 3 ... 64 and w2 at T = 8, 16; w2 at T = 32, 64 is level or
-# slower split).
+# "wgmma_rs" launches of more than AUTO_MAX_ROWS and at most MANY_ROWS_SPLIT_MAX_ROWS rows, at
+# most AUTO_MAX_ROWS per group, K split automatic: gated ones split K 4 ways, ungated ones 2
+# ways (the routed launches at T = 3 ... 16; at T = 64 the gated launch split was level alone
+# and the model slower with it, w2 at T = 32 and 64 level or slower split).
 MANY_ROWS_GATED_SPLIT_K = 4
 MANY_ROWS_SPLIT_K = 2
 MANY_ROWS_SPLIT_MAX_ROWS = 8 * AUTO_MAX_ROWS
@@ -465,14 +465,14 @@ MANY_ROWS_SPLIT_MAX_ROWS = 8 * AUTO_MAX_ROWS
 
 def many_rows_split_k(num_rows: int, num_groups: int, gated: bool, weight_format: str,
                       k_ins: tuple[int, ...]) -> int:
-    """The automatic K split of a "wgmma_rs" decode launch of more than ``AUTO_MAX_ROWS``
-    rows, at most that many per group, in ``num_groups`` groups (1 otherwise; fewer rows:
-    ``auto_split_k``), at most one split per scale group of the shortest of ``k_ins`` (none
-    without them)."""
-    if num_rows <= AUTO_MAX_ROWS or num_rows > AUTO_MAX_ROWS * num_groups or not k_ins:
+    """The automatic K split of a "wgmma_rs" decode launch of ``AUTO_MAX_ROWS`` <
+    ``num_rows`` <= ``MANY_ROWS_SPLIT_MAX_ROWS`` rows, at most ``AUTO_MAX_ROWS`` per group,
+    in ``num_groups`` groups (1 otherwise; fewer rows: ``auto_split_k``), at most one split
+    per scale group of the shortest of ``k_ins`` (none without them)."""
+    if (not AUTO_MAX_ROWS < num_rows <= MANY_ROWS_SPLIT_MAX_ROWS
+            or num_rows > AUTO_MAX_ROWS * num_groups or not k_ins):
         return 1
-    want = (MANY_ROWS_GATED_SPLIT_K if gated
-            else MANY_ROWS_SPLIT_K if num_rows <= MANY_ROWS_SPLIT_MAX_ROWS else 1)
+    want = MANY_ROWS_GATED_SPLIT_K if gated else MANY_ROWS_SPLIT_K
     k_blocks = min(k_ins) // BLOCK_K
     groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
     per = -(-groups // min(want, groups))             # scale groups per split

@@ -41,11 +41,11 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
 
 def test_auto_decode_picks_the_warp_kernel_per_launch():
     """"auto" (the default): "wgmma_rs" for every decode launch of at most AUTO_MAX_ROWS rows;
-    above that, a gated launch keeps "wgmma_rs" with K split 4 ways where its K splits and
-    the split is automatic ("mma_fp8" else), an ungated one of at most that many rows per
-    group "wgmma_rs" (split 2 ways up to MANY_ROWS_SPLIT_MAX_ROWS rows), of more "mma_fp8";
-    the two launches of a call keep the same tiles; the FP8 kernels' fallback still
-    applies."""
+    up to MANY_ROWS_SPLIT_MAX_ROWS rows, a gated launch keeps "wgmma_rs" with K split 4 ways
+    where its K splits and the split is automatic ("mma_fp8" else), and beyond them runs
+    "mma_fp8"; an ungated one of at most AUTO_MAX_ROWS rows per group "wgmma_rs" (split 2
+    ways up to MANY_ROWS_SPLIT_MAX_ROWS rows), of more "mma_fp8"; the two launches of a call
+    keep the same tiles; the FP8 kernels' fallback still applies."""
     assert support.DEFAULT_DECODE_ALGORITHM == support.AUTO_DECODE_ALGORITHM == "auto"
     limit = support.AUTO_MAX_ROWS
 
@@ -57,17 +57,19 @@ def test_auto_decode_picks_the_warp_kernel_per_launch():
         assert up.algorithm == down.algorithm == "wgmma_rs", rows
         assert dataclasses.replace(up, algorithm=down.algorithm) == down, rows
     split = support.SPLIT_STAGES
-    for rows, down_split in ((limit + 1, 2), (48, 2), (support.MANY_ROWS_SPLIT_MAX_ROWS, 2),
-                             (support.MANY_ROWS_SPLIT_MAX_ROWS + 1, 1), (384, 1)):
+    for rows in (limit + 1, 48, support.MANY_ROWS_SPLIT_MAX_ROWS):
         up, down = pick(rows, True), pick(rows, False)
         assert (up.algorithm, up.split_k, up.num_stages) == ("wgmma_rs", 4, split), rows
-        assert (down.algorithm, down.split_k) == ("wgmma_rs", down_split), rows
-        assert down.num_stages == (split if down_split > 1 else 4), rows
+        assert (down.algorithm, down.split_k, down.num_stages) == ("wgmma_rs", 2, split), rows
         assert up.block_n == down.block_n == support.WARP_TOKENS, rows
         # A pinned split, or a K too short to split (K = 512: one FP4 scale group).
         assert pick(rows, True, split_k=1).algorithm == "mma_fp8", rows
         assert pick(rows, True, k_ins=(512, 512)).algorithm == "mma_fp8", rows
         assert pick(rows, False, split_k=1).split_k == 1, rows
+    for rows in (support.MANY_ROWS_SPLIT_MAX_ROWS + 1, 384):
+        up, down = pick(rows, True), pick(rows, False)
+        assert (up.algorithm, up.split_k, up.num_stages) == ("mma_fp8", 1, 4), rows
+        assert (down.algorithm, down.split_k, down.num_stages) == ("wgmma_rs", 1, 4), rows
     # Splits start scale groups and none is left without work: Pro's w2 (K = 3072: 6 FP4
     # scale groups) splits 3 ways, 2 groups each.
     assert pick(48, True, k_ins=(7168, 3072)).split_k == 3

@@ -384,9 +384,9 @@ def test_k_split_matches_the_reference(dims, fmt, t, algorithm):
 
 
 # Decode-size inputs only (rows <= WARP_ROWS_PER_EXPERT E), where the decode algorithm
-# applies: the default ("auto" for FP4/FP8 weights: "wgmma_rs", K split for more than
-# AUTO_MAX_ROWS rows where K splits -- Flash and Pro --, else "mma_fp8" for the gated launch of
-# more than AUTO_MAX_ROWS rows; "mma_sync" for BF16) on more token counts and
+# applies: the default ("auto" for FP4/FP8 weights: "wgmma_rs", K split for 17-128 rows where
+# K splits -- Flash and Pro --, else "mma_fp8" for the gated launch of more than AUTO_MAX_ROWS
+# rows; "mma_sync" for BF16) on more token counts and
 # routings than GPU_CASES, and the others ("mma_fp8", "mma_sync", "mma_fp8_stream" and
 # "wgmma_rs" for FP4/FP8 in both launches; "wgmma": the prefill kernel with 8-row tiles, kept
 # selectable) on fewer. Narrow with -k (e.g. "small", "mma_sync", "wgmma").
