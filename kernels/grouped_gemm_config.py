@@ -454,10 +454,11 @@ DEFAULT_PREFILL_ALGORITHM = "wgmma_fp8_coop"
 AUTO_DECODE_ALGORITHM = "auto"
 AUTO_MAX_ROWS = 2 * WARP_TOKENS
 DECODE_ALGORITHMS = ALGORITHMS + (AUTO_DECODE_ALGORITHM,)
-# "wgmma_rs" launches of more than AUTO_MAX_ROWS and at most MANY_ROWS_SPLIT_MAX_ROWS rows, at
-# most AUTO_MAX_ROWS per group, K split automatic: gated ones split K 4 ways, ungated ones 2
-# ways (the routed launches at T = 3 ... 16; at T = 64 the gated launch split was level alone
-# and the model slower with it, w2 at T = 32 and 64 level or slower split).
+# "wgmma_rs" launches of at most MANY_ROWS_SPLIT_MAX_ROWS rows, at most AUTO_MAX_ROWS per group,
+# K split automatic: gated ones of more than WARP_TOKENS rows split K 4 ways, ungated ones of
+# more than AUTO_MAX_ROWS 2 ways (the routed launches at T = 2 ... 16; at T = 64 the gated
+# launch split was level alone and the model slower with it, w2 at T = 2, 32 and 64 level or
+# slower split).
 MANY_ROWS_GATED_SPLIT_K = 4
 MANY_ROWS_SPLIT_K = 2
 MANY_ROWS_SPLIT_MAX_ROWS = 8 * AUTO_MAX_ROWS
@@ -465,11 +466,13 @@ MANY_ROWS_SPLIT_MAX_ROWS = 8 * AUTO_MAX_ROWS
 
 def many_rows_split_k(num_rows: int, num_groups: int, gated: bool, weight_format: str,
                       k_ins: tuple[int, ...]) -> int:
-    """The automatic K split of a "wgmma_rs" decode launch of ``AUTO_MAX_ROWS`` <
-    ``num_rows`` <= ``MANY_ROWS_SPLIT_MAX_ROWS`` rows, at most ``AUTO_MAX_ROWS`` per group,
-    in ``num_groups`` groups (1 otherwise; fewer rows: ``auto_split_k``), at most one split
-    per scale group of the shortest of ``k_ins`` (none without them)."""
-    if (not AUTO_MAX_ROWS < num_rows <= MANY_ROWS_SPLIT_MAX_ROWS
+    """The automatic K split of a "wgmma_rs" decode launch of at most
+    ``MANY_ROWS_SPLIT_MAX_ROWS`` rows, more than ``WARP_TOKENS`` (gated) or
+    ``AUTO_MAX_ROWS`` (ungated), at most ``AUTO_MAX_ROWS`` per group, in ``num_groups``
+    groups (1 otherwise; ``choose_config`` takes the larger of it and ``auto_split_k``), at
+    most one split per scale group of the shortest of ``k_ins`` (none without them)."""
+    fewest = WARP_TOKENS if gated else AUTO_MAX_ROWS
+    if (not fewest < num_rows <= MANY_ROWS_SPLIT_MAX_ROWS
             or num_rows > AUTO_MAX_ROWS * num_groups or not k_ins):
         return 1
     want = MANY_ROWS_GATED_SPLIT_K if gated else MANY_ROWS_SPLIT_K
@@ -594,8 +597,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     pipeline stages as fit in shared memory for the gated launch (the larger of the two).
     Warp kernels: for at most 2 tiles of rows, K split ``split_k`` ways (None:
     ``auto_split_k``) with ``SPLIT_STAGES`` stages when it splits, else
-    ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages, or
-    for "wgmma_rs" with ``split_k`` None ``many_rows_split_k`` splits at ``SPLIT_STAGES``;
+    ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages;
+    for "wgmma_rs" with ``split_k`` None, at least ``many_rows_split_k`` splits (at
+    ``SPLIT_STAGES``);
     fewer while two CTAs would not fit in an SM. ``pdl``: warp kernels launch as programmatic
     dependents ("start"; the launch upgrades it to "weights" where it may,
     ``GroupedGemmSm90Config.pdl``)."""
@@ -626,6 +630,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         if num_rows <= 2 * WARP_TOKENS:
             split = (auto_split_k(num_rows, num_groups, weight_format, k_ins, n_outs,
                                   decode_algorithm) if split_k is None else split_k)
+            if split_k is None and decode_algorithm == "wgmma_rs":
+                split = max(split, many_rows_split_k(num_rows, num_groups, gated,
+                                                     weight_format, k_ins))
             config = dataclasses.replace(
                 config, num_stages=SPLIT_STAGES if split > 1 else FEW_TILES_STAGES,
                 split_k=split, token_stages=(FEW_TILES_TOKEN_STAGES

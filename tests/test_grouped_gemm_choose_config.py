@@ -40,7 +40,8 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
 
 
 def test_auto_decode_picks_the_warp_kernel_per_launch():
-    """"auto" (the default): "wgmma_rs" for every decode launch of at most AUTO_MAX_ROWS rows;
+    """"auto" (the default): "wgmma_rs" for every decode launch of at most AUTO_MAX_ROWS rows
+    (a gated one of more than WARP_TOKENS rows K split 4 ways);
     up to MANY_ROWS_SPLIT_MAX_ROWS rows, a gated launch keeps "wgmma_rs" with K split 4 ways
     where its K splits and the split is automatic ("mma_fp8" else), and beyond them runs
     "mma_fp8"; an ungated one of at most AUTO_MAX_ROWS rows per group "wgmma_rs" (split 2
@@ -52,11 +53,17 @@ def test_auto_decode_picks_the_warp_kernel_per_launch():
     def pick(rows, gated, fmt="fp4", k_ins=(4096, 2048), split_k=None, **kw):
         return support.choose_config(rows, 256, fmt, gated=gated, k_ins=k_ins,
                                      n_outs=(2048, 4096), split_k=split_k, **kw)
-    for rows in (1, 6, limit):
+    for rows in (1, 6, support.WARP_TOKENS):
         up, down = pick(rows, True), pick(rows, False)
         assert up.algorithm == down.algorithm == "wgmma_rs", rows
         assert dataclasses.replace(up, algorithm=down.algorithm) == down, rows
     split = support.SPLIT_STAGES
+    # Two tiles of rows: the gated launch splits K 4 ways, w2 by auto_split_k (here none).
+    for rows in (support.WARP_TOKENS + 1, 12, limit):
+        up, down = pick(rows, True), pick(rows, False)
+        assert (up.algorithm, up.split_k, up.num_stages) == ("wgmma_rs", 4, split), rows
+        assert (down.algorithm, down.split_k) == ("wgmma_rs", 1), rows
+        assert pick(rows, True, split_k=1).split_k == 1, rows
     for rows in (limit + 1, 48, support.MANY_ROWS_SPLIT_MAX_ROWS):
         up, down = pick(rows, True), pick(rows, False)
         assert (up.algorithm, up.split_k, up.num_stages) == ("wgmma_rs", 4, split), rows
