@@ -9,6 +9,9 @@
 #             device time and launches per step are real
 #   graphs:   wall time per step as users run it (dsv4_jax's flags: the while loop in CUDA
 #             graphs), at BATCHES x CTXS, no profile
+#   ab:       graphs with the change of the patch AB_PATCH (applied in the checkout) and
+#             without it (the patch reversed, `patch -R`), alternating ROUNDS (2) times in one
+#             call: a before/after on one machine (the kernel cache keys on kernel sources)
 #   tests:    GPU tests of the grouped-GEMM op at the model's shapes and of the model
 #   prefill:  decode_step.py --prefill at CHUNKS (4096)
 #   moe_tests: the routed experts' GPU tests (tests/test_moe.py), two processes
@@ -42,6 +45,17 @@ for what in "$@"; do
     graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls ${IMPLS:-auto} \
               --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps --no-profile \
               --attribute-batches 0 ${SPECULATIVE:+--speculative} ;;
+    ab) [[ -f ${AB_PATCH:-} ]] || { echo "ab: AB_PATCH must name a patch file"; exit 2; }
+        for round in $(seq ${ROUNDS:-2}); do
+          for side in with without; do
+            echo "== $side the change ($AB_PATCH), round $round"
+            [[ $side == without ]] && { patch -s -p1 -R < "$AB_PATCH" || exit 1; }
+            TAIL=${TAIL:-3} run_bench "ab_${side}_$round" "" ${GEN_TIMEOUT:-200} --generate \
+              --impls ${IMPLS:-auto} --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} \
+              --steps $steps --no-profile --attribute-batches 0
+            [[ $side == without ]] && { patch -s -p1 < "$AB_PATCH" || exit 1; }
+          done
+        done ;;
     prefill) run_bench prefill "" ${PREFILL_TIMEOUT:-240} --prefill --impls auto \
                --chunks ${CHUNKS:-4096} --profile-chunk ${CHUNKS:-4096} ;;
     long) (cd benchmarks && timeout ${LONG_TIMEOUT:-540} python3 long_context.py \
