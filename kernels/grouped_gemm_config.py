@@ -627,21 +627,18 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         prefill_algorithm = fallback.get(prefill_algorithm, prefill_algorithm)
     if decode and decode_algorithm in WARP_ALGORITHMS:
         config = dataclasses.replace(DECODE_MMA_SYNC_CONFIG, algorithm=decode_algorithm)
+        many = (many_rows_split_k(num_rows, num_groups, gated, weight_format, k_ins)
+                if split_k is None and decode_algorithm == "wgmma_rs" else 1)
         if num_rows <= 2 * WARP_TOKENS:
-            split = (auto_split_k(num_rows, num_groups, weight_format, k_ins, n_outs,
-                                  decode_algorithm) if split_k is None else split_k)
-            if split_k is None and decode_algorithm == "wgmma_rs":
-                split = max(split, many_rows_split_k(num_rows, num_groups, gated,
-                                                     weight_format, k_ins))
+            split = max(many, auto_split_k(num_rows, num_groups, weight_format, k_ins, n_outs,
+                                           decode_algorithm) if split_k is None else split_k)
             config = dataclasses.replace(
                 config, num_stages=SPLIT_STAGES if split > 1 else FEW_TILES_STAGES,
                 split_k=split, token_stages=(FEW_TILES_TOKEN_STAGES
                                              if config.spec.quantizes_tokens
                                              else FP8_TOKEN_BUFFERS))
-        elif split_k is None and decode_algorithm == "wgmma_rs":
-            split = many_rows_split_k(num_rows, num_groups, gated, weight_format, k_ins)
-            if split > 1:
-                config = dataclasses.replace(config, num_stages=SPLIT_STAGES, split_k=split)
+        elif many > 1:
+            config = dataclasses.replace(config, num_stages=SPLIT_STAGES, split_k=many)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

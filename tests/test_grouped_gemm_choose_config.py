@@ -40,13 +40,13 @@ def test_tile_size_follows_the_rows_per_expert_crossover():
 
 
 def test_auto_decode_picks_the_warp_kernel_per_launch():
-    """"auto" (the default): "wgmma_rs" for every decode launch of at most AUTO_MAX_ROWS rows
-    (a gated one of more than WARP_TOKENS rows K split 4 ways);
-    up to MANY_ROWS_SPLIT_MAX_ROWS rows, a gated launch keeps "wgmma_rs" with K split 4 ways
-    where its K splits and the split is automatic ("mma_fp8" else), and beyond them runs
-    "mma_fp8"; an ungated one of at most AUTO_MAX_ROWS rows per group "wgmma_rs" (split 2
-    ways up to MANY_ROWS_SPLIT_MAX_ROWS rows), of more "mma_fp8"; the two launches of a call
-    keep the same tiles; the FP8 kernels' fallback still applies."""
+    """"auto" (the default): "wgmma_rs" for every decode launch of at most AUTO_MAX_ROWS rows.
+    With the split automatic, a gated launch of WARP_TOKENS + 1 ... MANY_ROWS_SPLIT_MAX_ROWS
+    rows splits K 4 ways, an ungated one of AUTO_MAX_ROWS + 1 ... MANY_ROWS_SPLIT_MAX_ROWS
+    rows (at most AUTO_MAX_ROWS per group) 2 ways. A gated launch of more than AUTO_MAX_ROWS
+    rows that does not split (a pinned split, K too short, more rows) runs "mma_fp8", as
+    does an ungated one of more than AUTO_MAX_ROWS rows per group. The two launches of a
+    call keep the same tiles; the FP8 kernels' fallback still applies."""
     assert support.DEFAULT_DECODE_ALGORITHM == support.AUTO_DECODE_ALGORITHM == "auto"
     limit = support.AUTO_MAX_ROWS
 
