@@ -53,8 +53,9 @@ def test_the_policy_gives_each_launch_its_mode(pdl):
                                  gated=True)
     wo_a = gemm.resolve_config(policy, 8 * 8, 8, "fp8", (4096,), False, (1024,))
     prefill = gemm.resolve_config(policy, 4096, 1, "fp8", (4096,), True, (2048,))
-    assert (dense.algorithm, routed.algorithm, wo_a.algorithm) == ("wgmma_rs", "mma_fp8",
+    assert (dense.algorithm, routed.algorithm, wo_a.algorithm) == ("wgmma_rs", "wgmma_rs",
                                                                    "mma_sync")
+    assert routed.split_k == 4                    # "auto": the routed launch of 48 rows splits
     assert prefill.spec.tiles == "any" and prefill.pdl == ""
     want = "start" if pdl else ""
     assert (dense.pdl, routed.pdl, wo_a.pdl) == (want, want, want)
