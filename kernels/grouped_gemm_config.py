@@ -475,11 +475,8 @@ def many_rows_split_k(num_rows: int, num_groups: int, gated: bool, weight_format
     if (not fewest < num_rows <= MANY_ROWS_SPLIT_MAX_ROWS
             or num_rows > AUTO_MAX_ROWS * num_groups or not k_ins):
         return 1
-    want = MANY_ROWS_GATED_SPLIT_K if gated else MANY_ROWS_SPLIT_K
-    k_blocks = min(k_ins) // BLOCK_K
-    groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
-    per = -(-groups // min(want, groups))             # scale groups per split
-    return -(-groups // per)
+    return whole_group_split(MANY_ROWS_GATED_SPLIT_K if gated else MANY_ROWS_SPLIT_K,
+                             weight_format, k_ins)
 
 
 def auto_decode_algorithm(num_rows: int, num_groups: int, gated: bool,
@@ -494,6 +491,16 @@ def auto_decode_algorithm(num_rows: int, num_groups: int, gated: bool,
                                                        weight_format, k_ins) > 1:
         return "wgmma_rs"
     return "mma_fp8"
+
+
+def whole_group_split(want: int, weight_format: str, k_ins: tuple[int, ...]) -> int:
+    """A K split of about ``want`` ways (at least 1, at most ``MAX_SPLIT_K``) that starts each
+    split at a scale group of the shortest of ``k_ins`` and leaves no split without work:
+    ``want`` capped at the groups, then as many splits as the groups per split need."""
+    k_blocks = min(k_ins) // BLOCK_K
+    groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
+    per = -(-groups // max(1, min(want, MAX_SPLIT_K, groups)))     # scale groups per split
+    return -(-groups // per)
 
 
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
@@ -561,12 +568,8 @@ def auto_split_k(num_rows: int, num_groups: int, weight_format: str, k_ins: tupl
     ctas = min(n_outs) // BLOCK_M * max(tiles, 1)
     if ctas >= SPLIT_BELOW_CTAS_PER_SM * NUM_SMS:
         return 1
-    k_blocks = min(k_ins) // BLOCK_K
-    groups = max(1, k_blocks // warp_scale_group(weight_format, k_blocks))
     resident = RESIDENT_CTAS_PER_SM_BY_ALGORITHM.get(algorithm, RESIDENT_CTAS_PER_SM)
-    split = max(1, min(resident * NUM_SMS // max(ctas, 1), MAX_SPLIT_K, groups))
-    per = -(-groups // split)                  # scale groups per split
-    return -(-groups // per)
+    return whole_group_split(resident * NUM_SMS // max(ctas, 1), weight_format, k_ins)
 
 
 def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
