@@ -29,7 +29,9 @@ Dataflow (384 threads; the producer hands registers to the math warpgroups with
    accumulator of the same parity. The second block's conversion runs under the first
    block's WGMMAs, the first block's promotion ``acc += blk * w_scale[row] *
    x_scale[token]`` under the second's. A stage is released after its chain retired and
-   was promoted.
+   was promoted. The promotion skips the tile's columns past its rows (groups of
+   ``PROMOTE_COLUMNS``) and reads a lane's token scales, which the producer stored together
+   (``x_scale_slot``), by vector loads.
 3. Epilogue (bf16): ungated, each warpgroup writes its 64 output features of the tile's
    rows; gated, the up projection's warpgroup stores its sums in shared memory, and after a
    barrier of both the gate's warpgroup writes SwiGLU x routing weight.
@@ -56,8 +58,15 @@ from .sm90_primitives import cp_async_arrive, store_shared_b32x4, store_shared_f
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
 from .grouped_gemm_sm90_convert import copy_bytes
 from .grouped_gemm_sm90_wgmma import DEQUANT_BARRIER
+from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, GroupedGemmWgmmaFp8Sm90, _fence_operands,
+                                          convert_half_row)
 
 HANDOFF_BARRIER = 5     # gated: the up projection's sums are in shared memory (both warpgroups)
+# Columns (token rows of the tile) promoted under one branch: a group past the tile's rows is
+# skipped; each branch splits the promotion's basic block, which costs more than the skip saves
+# at 16 columns (docs/performance.md, twenty-sixth session).
+PROMOTE_COLUMNS = 32
+X_SCALE_PAD = 4          # f32 slots after each lane's token scales (x_scale_slot)
 A_TILE_BYTES = BLOCK_M * BLOCK_K     # one e4m3 A tile
 
 
@@ -68,8 +77,20 @@ def a_chunk_offset(buf, row, chunk):
     ``make_smem_layout_a`` lays out e4m3 tiles of K = 128 (tests/ replay it against CuTe's
     layout). Works on ints and kernel integers alike."""
     return buf * A_TILE_BYTES + row * BLOCK_K + ((chunk ^ (row & 7)) << 4)
-from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, GroupedGemmWgmmaFp8Sm90, _fence_operands,
-                                          convert_half_row)
+
+
+def x_scale_slot(token, block_n):
+    """The slot of a tile's token ``token`` among a stage's ``x_scale_slots(block_n)``: the
+    scales a promoting lane t needs -- columns 8 j + 2 (t % 4) + {0, 1} -- lie together,
+    ``block_n / 4`` of them in column order from slot ``(t % 4) (block_n / 4 +
+    X_SCALE_PAD)``; the pad puts the four lanes' vector loads in distinct banks. Works on ints
+    and kernel integers alike."""
+    return (token % 8 // 2) * (block_n // 4 + X_SCALE_PAD) + token // 8 * 2 + token % 2
+
+
+def x_scale_slots(block_n):
+    """A stage's token scale slots (``x_scale_slot``)."""
+    return block_n + 4 * X_SCALE_PAD
 
 
 class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
@@ -101,7 +122,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         class SharedStorage:
             mbar: cute.struct.MemRange[Int64, 2 * stages]
             sWs: cute.struct.Align[cute.struct.MemRange[Float32, stages * mats * rows], 16]
-            sXs: cute.struct.Align[cute.struct.MemRange[Float32, stages * bn], 16]
+            sXs: cute.struct.Align[cute.struct.MemRange[Float32, stages * x_scale_slots(bn)],
+                                   16]
             sScale: cute.struct.Align[cute.struct.MemRange[Int32, stages * mats * rows], 16]
             sUp: cute.struct.Align[cute.struct.MemRange[Float32, handoff], 16]
             sRaw: cute.struct.Align[
@@ -196,7 +218,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             src = src + Int64(16 * k_in)
         if tidx < rows:                   # rows <= bn <= 128
             src = mXs.iterator.toint() + ((row0 + tidx).to(Int64) * (k_in // BLOCK_K) + kb) * 4
-            copy_bytes(atom4, 4, src, xs + (stage * bn + tidx) * 4)
+            copy_bytes(atom4, 4, src,
+                       xs + (stage * x_scale_slots(bn) + x_scale_slot(tidx, bn)) * 4)
 
     @cute.jit
     def convert_rows(self, raw: Int32, scales: Int32, ws: Int32, stage: Int32, mat: Int32,
@@ -278,9 +301,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                 stages.append(state.clone())
                 state.advance()
             for p in cutlass.range_constexpr(2):
-                cute.nvgpu.warpgroup.wait_group(1 - p)
-                _fence_operands([blk[p]])        # read only after the wait
-                self.promote_rows(acc, blk[p], tCcC, ws, xs, stages[p].index, mat, row_block)
+                self.promote_rows(acc, blk[p], tCcC, ws, xs, stages[p].index, mat, row_block,
+                                  rows, 1 - p)
                 pipe.consumer_release(stages[p])
         if const_expr(self.gated):
             self.gated_epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc, wg_tidx, math_wg,
@@ -313,18 +335,45 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                     acc_up[4 * q + e] = words[e]
             self.epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc, acc_up, 0)
 
+    @cute.jit
     def promote_rows(self, acc: cute.Tensor, blk: cute.Tensor, tCcC: cute.Tensor, ws: Int32,
-                     xs: Int32, stage: Int32, mat: Int32, row_block: Int32):
-        """``acc[m, n] += blk[m, n] * w_scale[row_block + m] * x_scale[n]`` for one K
-        block's stage of matrix ``mat`` (traced inline)."""
+                     xs: Int32, stage: Int32, mat: Int32, row_block: Int32, rows: Int32,
+                     wait: cutlass.Constexpr):
+        """Waits for all but ``wait`` WGMMA chains, then ``acc[m, n] += blk[m, n] *
+        w_scale[row_block + m] * x_scale[n]`` for one K block's stage of matrix ``mat``.
+
+        Columns ``n`` go in groups of ``PROMOTE_COLUMNS``: a group wholly past the tile's
+        ``rows`` is skipped (its outputs are never stored; its token codes were not copied),
+        a warp-uniform branch. Element ``i`` of the WGMMA accumulator fragment holds row
+        ``16 warp + t / 4 + 8 ((i / 2) % 2)`` and column ``8 (i / 4) + 2 (t % 4) + i % 2``
+        of lane t: the thread's two row scales are loaded once, and its token scales of a
+        group lie together (``x_scale_slot``): one or two vector loads, the first group's
+        issued before the wait."""
         bn = self.block_n
-        x_scales = cute.make_tensor(
-            cute.make_ptr(Float32, xs + stage * bn * 4, cute.AddressSpace.smem,
-                          assumed_align=16), cute.make_layout((bn,)))
+        group = min(PROMOTE_COLUMNS, bn)
+        per_group = cute.size(acc) * group // bn       # elements of a group
+        loads = group // 4                             # its token scales per thread
+        align = 16 if bn % 16 == 0 else 8              # bytes (x_scale_slot)
         first = (stage * self.mats + mat) * self.cta_rows + row_block
         w_scales = cute.make_tensor(
             cute.make_ptr(Float32, ws + first * 4, cute.AddressSpace.smem, assumed_align=16),
             cute.make_layout((BLOCK_M,)))
-        for i in range(cute.size(acc)):
-            m, n = tCcC[i][0], tCcC[i][1]
-            acc[i] = acc[i] + blk[i] * (w_scales[m] * x_scales[n])
+        # Element i's row is element (i % 4)'s.
+        row_scale = [w_scales[tCcC[v][0]] for v in range(4)]
+        lane_pair = tCcC[0][1] // 2                    # t % 4
+        x_base = xs + (stage * x_scale_slots(bn) + x_scale_slot(2 * lane_pair, bn)) * 4
+        x_first = cute.make_tensor(
+            cute.make_ptr(Float32, x_base, cute.AddressSpace.smem,
+                          assumed_align=align), cute.make_layout((loads,))).load()
+        cute.nvgpu.warpgroup.wait_group(wait)
+        _fence_operands([blk])                         # read only after the wait
+        for g in cutlass.range_constexpr(bn // group):
+            if g * group < rows:
+                x = x_first
+                if const_expr(g > 0):
+                    x = cute.make_tensor(
+                        cute.make_ptr(Float32, x_base + g * loads * 4, cute.AddressSpace.smem,
+                                      assumed_align=align), cute.make_layout((loads,))).load()
+                for i in cutlass.range_constexpr(per_group):
+                    e = g * per_group + i
+                    acc[e] = acc[e] + blk[e] * (row_scale[e % 4] * x[(i // 4) * 2 + i % 2])

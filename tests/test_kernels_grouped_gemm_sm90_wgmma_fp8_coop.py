@@ -19,7 +19,8 @@ import cutlass.cute as cute  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
-from dsv4_jax.kernels.grouped_gemm_sm90_wgmma_fp8_coop import a_chunk_offset  # noqa: E402
+from dsv4_jax.kernels.grouped_gemm_sm90_wgmma_fp8_coop import (  # noqa: E402
+    a_chunk_offset, x_scale_slot, x_scale_slots)
 from grouped_gemm_compile import compile_variant as _compile, ptxas_log  # noqa: E402
 
 FLASH_EXPERTS = 256
@@ -59,6 +60,26 @@ def test_a_chunk_offsets_are_cutes_swizzled_layout(monkeypatch):
     assert len(offsets) == 4 * support.BLOCK_M * support.BLOCK_K // 16
     for (buf, row, chunk), offset in offsets:
         assert a_chunk_offset(buf, row, chunk) == offset, (buf, row, chunk)
+
+
+@pytest.mark.parametrize("block_n", [8, 16, 64, 128])
+def test_token_scale_slots_put_each_lanes_scales_together(block_n):
+    """The producer stores token n's scale at ``x_scale_slot(n)``: distinct slots of the
+    stage in which lane t's accumulator columns 8 j + 2 (t % 4) + c lie together in column
+    order -- what the promotion's vector loads read -- and the four lanes' loads fall in
+    distinct shared-memory banks."""
+    slots = [x_scale_slot(n, block_n) for n in range(block_n)]
+    assert len(set(slots)) == block_n and max(slots) < x_scale_slots(block_n)
+    firsts = []
+    for q in range(4):
+        columns = [8 * j + 2 * q + c for j in range(block_n // 8) for c in (0, 1)]
+        first = slots[columns[0]]
+        assert [slots[n] for n in columns] == list(range(first, first + block_n // 4))
+        firsts.append(first)
+    # The four lanes' loads of a group (16 bytes; 8 when block_n = 8) start in distinct banks.
+    width = 4 if block_n % 16 == 0 else 2
+    banks = [{(f + i) % 32 for i in range(width)} for f in firsts]
+    assert all(not (a & b) for i, a in enumerate(banks) for b in banks[i + 1:]), firsts
 
 
 def test_prefill_tiles_take_fp8_coop_when_asked():
