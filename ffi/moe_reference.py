@@ -69,16 +69,18 @@ def moe_expert_rows_reference(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized
     return grouped_gemm_reference(h, ea, w2, simulate=sim)
 
 
-def sum_rows_per_token(rows, order, t: int, k: int):
+def sum_rows_per_token(rows, order, t: int, k: int, position=None):
     """``[t, d]`` f32: token ``i``'s sum of its ``k`` assignment rows, where ``rows[j]``
     holds assignment ``order[j]`` (assignment ``a`` = token ``a // k``; ``order`` None: the
-    identity). A gather and k - 1 additions in assignment order -- ``((r_0 + r_1) + r_2)
-    ...`` -- not a scatter-add (``segment_sum``): those are atomic on the GPU and change the
-    last bit run to run. Elementwise additions, not a reduction: XLA fuses them with what
-    consumes the sum (the shared expert's add and the cast)."""
-    if order is not None:
+    identity), or ``rows[position[a]]`` holds assignment ``a`` (``position``, the inverse of
+    ``order``, when the caller has it). A gather and k - 1 additions in assignment order --
+    ``((r_0 + r_1) + r_2) ...`` -- not a scatter-add (``segment_sum``): those are atomic on
+    the GPU and change the last bit run to run. Elementwise additions, not a reduction: XLA
+    fuses them with what consumes the sum (the shared expert's add and the cast)."""
+    if position is None and order is not None:
         position = jnp.zeros_like(order).at[order].set(
             jnp.arange(order.shape[0], dtype=order.dtype))
+    if position is not None:
         rows = rows[position]
     per_token = rows.astype(jnp.float32).reshape(t, k, rows.shape[-1])
     total = per_token[:, 0]

@@ -3,7 +3,8 @@ the assignment rows sorted once by expert.
 
 ``moe_expert_rows_cute`` computes what the reference computes for assignment rows:
 
-1. the schedule (``grouped_gemm_sm90.schedule``): rows sorted by expert, dropped ids last --
+1. the schedule (``moe_schedule_sm90.sorted_schedule``: one launch at decode sizes, else
+   XLA's sort): rows sorted by expert, dropped ids last, and each row's sorted position --
    or, for a few rows over many experts (decode), every row a tile of its own in assignment
    order (``row_schedule``: no sort, no gathers by order);
 2. the FP8 1 x 128 simulation (when asked) on the source rows -- the T tokens for
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from dsv4_jax.kernels.grouped_gemm_config import GroupedGemmSm90Config
 from . import grouped_gemm_sm90 as gemm
+from . import moe_schedule_sm90 as moe_schedule
 from .moe_reference import sum_rows_per_token
 from .policy import GroupedGemmPolicy
 
@@ -70,19 +72,20 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     """Both launches on assignment rows sorted by expert; row ``a`` reads ``x[source_row[a]]``
     (``source_row`` None: ``x[a]``). ``source_stride`` k > 0: ``source_row[a]`` is ``a //
     k``, which the kernels that quantise their tokens ("mma_fp8", "wgmma_rs") read
-    themselves on row tiles (no gather). Returns ``order`` (None: the rows kept their order,
-    one tile each -- ``grouped_gemm_sm90.use_row_tiles``) and the rows' outputs ``[A, d]``
-    bf16 in that order (rows of dropped ids are zero)."""
+    themselves on row tiles (no gather). Returns ``position`` (row -> its sorted position;
+    None: the rows kept their order, one tile each -- ``grouped_gemm_sm90.use_row_tiles``)
+    and the rows' outputs ``[A, d]`` bf16 in sorted order (rows of dropped ids are zero)."""
     groups = w1[0].shape[0]
     config, down_config = ((config, config) if config is not None else
                            moe_configs(ea.shape[0], w1, w2, simulate=simulate, policy=policy))
     if gemm.use_row_tiles(ea.shape[0], groups, config):
-        order = None
+        order = position = None
         valid_sorted, *tiles = gemm.row_schedule(ea, groups)
         rw = wa.astype(jnp.float32)        # a dropped row's weight is never read
         rows = source_row
     else:
-        order, valid_sorted, *tiles = gemm.schedule(ea, groups, config.block_n)
+        order, position, valid_sorted, *tiles = moe_schedule.sorted_schedule(
+            ea, groups, config.block_n)
         rw = jnp.where(valid_sorted, wa[order].astype(jnp.float32), 0.0)
         rows = order if source_row is None else source_row[order]
     stride = 1
@@ -94,7 +97,7 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
                     token_stride=stride)
     hs, h_scale = gemm.quantized_rows(h, None, down_config, simulate)
     ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=down_config)
-    return order, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+    return position, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
 
 
 def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulate: bool,
@@ -104,10 +107,10 @@ def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulat
     id is outside [0, E) give zeros. ``simulate``: FP8 activation quantisation (quantised
     weights with the simulation on). ``config``: a kernel variant for tests and benchmarks,
     for both launches, else ``moe_configs`` under ``policy``."""
-    order, ys = _sorted_rows(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
-                             simulate=simulate, policy=policy, config=config)
-    if order is not None:
-        ys = jnp.zeros_like(ys).at[order].set(ys)
+    position, ys = _sorted_rows(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
+                                simulate=simulate, policy=policy, config=config)
+    if position is not None:
+        ys = ys[position]
     return ys.astype(xa.dtype)
 
 
@@ -119,7 +122,7 @@ def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
     their token directly and each token gathers and sums its rows (f32, deterministic)."""
     t, k = route_idx.shape
     token = jnp.asarray(np.arange(t * k, dtype=np.int32) // k)      # a constant, no launch
-    order, ys = _sorted_rows(x, token, route_idx.reshape(-1), route_w.reshape(-1), w1, w3, w2,
-                             swiglu_limit=swiglu_limit, simulate=simulate, policy=policy,
-                             config=config, source_stride=k)
-    return sum_rows_per_token(ys, order, t, k)
+    position, ys = _sorted_rows(x, token, route_idx.reshape(-1), route_w.reshape(-1), w1, w3,
+                                w2, swiglu_limit=swiglu_limit, simulate=simulate,
+                                policy=policy, config=config, source_stride=k)
+    return sum_rows_per_token(ys, None, t, k, position=position)

@@ -13,11 +13,19 @@ import moe_cases
 from dsv4_jax import quant
 from dsv4_jax.ffi import cases, cute_call as cute_call_module, dispatch, moe as op
 from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
+from dsv4_jax.ffi import moe_schedule_sm90 as moe_schedule
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
 
 HIGHEST = jax.lax.Precision.HIGHEST
 LIMIT = 10.0
+
+
+@pytest.fixture(autouse=True)
+def schedule_in_xla(monkeypatch):
+    """The schedule kernel does not run on CPU: its XLA twin, which it equals bit for bit
+    (tests/test_moe_schedule.py), stands in."""
+    monkeypatch.setattr(moe_schedule, "schedule_cute", moe_schedule.schedule_xla)
 
 
 def _row_expert(tile_expert, tile_row0, tile_rows, rows, block_n, groups):

@@ -37,11 +37,11 @@ def _config(expert_dtype):
     return dj.Config.tiny(quantized=True, expert_dtype="fp8", dim=512, moe_inter_dim=512)
 
 
-def _lower(cfg, tokens, platform="cuda", implementation=None):
+def _lower(cfg, tokens, platform="cuda", implementation=None, batch=BATCH):
     model = dj.DSV4(cfg, implementation=implementation, runtime_checks=False)
     params = abstract_params(cfg)
-    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, BATCH, 256))
-    tok = jax.ShapeDtypeStruct((BATCH, tokens), jnp.int32)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, batch, 256))
+    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
                    donate_argnums=(2,))
     with dispatch.cuda_target():
@@ -100,6 +100,18 @@ def test_model_prefill_lowers_to_the_fp8_wgmma_kernel_when_asked(expert_dtype):
     text = _lower(cfg, PREFILL_TOKENS, implementation=policy)
     assert MOE_KERNEL["wgmma_fp8"] in text
     assert not [name for alg, name in MOE_KERNEL.items() if alg != "wgmma_fp8" and name in text]
+
+
+@pytest.mark.parametrize("batch, kernel", [(BATCH, False), (8, True)])
+def test_model_decode_step_sorts_its_rows_in_the_schedule_kernel(batch, kernel):
+    """A decode step whose routed rows take sorted tiles (batch 8: 16 rows over the tiny
+    model's 8 experts) schedules them in the schedule kernel, with no sort left in XLA;
+    batch 2's rows are tiles of their own (no schedule at all)."""
+    cfg = _config("fp4")
+    text = _lower(cfg, 1, implementation=KernelPolicy(ops=OTHER_OPS_ON_REFERENCES),
+                  batch=batch)
+    assert (CUSTOM_CALL in text and "MoeScheduleSm90" in text) == kernel
+    assert "stablehlo.sort" not in text
 
 
 def test_model_step_lowered_for_cpu_has_no_kernel():
