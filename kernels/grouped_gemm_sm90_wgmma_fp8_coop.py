@@ -342,7 +342,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         """Waits for all but ``wait`` WGMMA chains, then ``acc[m, n] += blk[m, n] *
         w_scale[row_block + m] * x_scale[n]`` for one K block's stage of matrix ``mat``.
 
-        Columns ``n`` go in groups of ``PROMOTE_COLUMNS``: a group wholly past the tile's
+        Columns ``n`` go in groups of ``PROMOTE_COLUMNS`` (8 where that does not divide
+        ``block_n``): a group wholly past the tile's
         ``rows`` is skipped (its outputs are never stored; its token codes were not copied),
         a warp-uniform branch. Element ``i`` of the WGMMA accumulator fragment holds row
         ``16 warp + t / 4 + 8 ((i / 2) % 2)`` and column ``8 (i / 4) + 2 (t % 4) + i % 2``
@@ -350,10 +351,11 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         group lie together (``x_scale_slot``): one or two vector loads, the first group's
         issued before the wait."""
         bn = self.block_n
-        group = min(PROMOTE_COLUMNS, bn)
+        # Groups of 8 columns (one accumulator block) where PROMOTE_COLUMNS does not divide bn.
+        group = PROMOTE_COLUMNS if bn % PROMOTE_COLUMNS == 0 else 8
         per_group = cute.size(acc) * group // bn       # elements of a group
         loads = group // 4                             # its token scales per thread
-        align = 16 if bn % 16 == 0 else 8              # bytes (x_scale_slot)
+        align = 16 if bn % 16 == 0 and loads % 4 == 0 else 8     # bytes (x_scale_slot)
         first = (stage * self.mats + mat) * self.cta_rows + row_block
         w_scales = cute.make_tensor(
             cute.make_ptr(Float32, ws + first * 4, cute.AddressSpace.smem, assumed_align=16),

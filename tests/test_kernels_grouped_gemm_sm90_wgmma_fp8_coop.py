@@ -62,7 +62,7 @@ def test_a_chunk_offsets_are_cutes_swizzled_layout(monkeypatch):
         assert a_chunk_offset(buf, row, chunk) == offset, (buf, row, chunk)
 
 
-@pytest.mark.parametrize("block_n", [8, 16, 64, 128])
+@pytest.mark.parametrize("block_n", [8, 16, 40, 64, 128])
 def test_token_scale_slots_put_each_lanes_scales_together(block_n):
     """The producer stores token n's scale at ``x_scale_slot(n)``: distinct slots of the
     stage in which lane t's accumulator columns 8 j + 2 (t % 4) + c lie together in column
@@ -76,7 +76,8 @@ def test_token_scale_slots_put_each_lanes_scales_together(block_n):
         first = slots[columns[0]]
         assert [slots[n] for n in columns] == list(range(first, first + block_n // 4))
         firsts.append(first)
-    # The four lanes' loads of a group (16 bytes; 8 when block_n = 8) start in distinct banks.
+    # The four lanes' loads of a group (16 bytes; 8 unless block_n is a multiple of 16) use
+    # distinct banks.
     width = 4 if block_n % 16 == 0 else 2
     banks = [{(f + i) % 32 for i in range(width)} for f in firsts]
     assert all(not (a & b) for i, a in enumerate(banks) for b in banks[i + 1:]), firsts
@@ -124,7 +125,7 @@ def test_support_names_what_fp8_coop_cannot_take():
 
 @pytest.mark.parametrize("fmt, gated, block_n", [("fp4", True, 128), ("fp8", True, 128),
                                                  ("fp4", False, 128), ("fp4", True, 64),
-                                                 ("fp8", False, 8)])
+                                                 ("fp8", False, 8), ("fp4", False, 40)])
 def test_fp8_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_n):
     """Each math warpgroup multiplies one matrix (gated) or one 64-row block: two K blocks'
     chains per iteration of 4 e4m3 WGMMAs of K = 32, and converts its own rows (FP4: 2 fold
