@@ -49,6 +49,8 @@ LAZY_BY_DESIGN = {
     ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.kernels.index_topk_sm90"),
     ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.kernels.index_topk_split_sm90"),
     ("dsv4_jax.ffi.grouped_gemm_sm90", "dsv4_jax.kernels.grouped_gemm_sm90_launch"),
+    ("dsv4_jax.ffi.moe_schedule_sm90", "dsv4_jax.ffi.cute_call"),
+    ("dsv4_jax.ffi.moe_schedule_sm90", "dsv4_jax.kernels.moe_schedule_sm90"),
     # The command line imports JAX-heavy modules only after its arguments parsed:
     # ``python -m dsv4_jax --help`` must not import JAX (tests/test_cli.py).
     ("dsv4_jax.cli_generate", "dsv4_jax"),
