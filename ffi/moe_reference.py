@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .grouped_gemm_reference import ACT_DTYPES, check_weight, describe, grouped_gemm_reference
 
-__all__ = ["moe_experts_reference", "moe_expert_rows_reference", "check_moe_args",
+__all__ = ["moe_experts_reference", "moe_expert_rows_reference", "check_moe_args", "inverse_order",
            "sum_rows_per_token"]
 
 
@@ -69,6 +69,11 @@ def moe_expert_rows_reference(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized
     return grouped_gemm_reference(h, ea, w2, simulate=sim)
 
 
+def inverse_order(order):
+    """``position`` with ``position[order[j]] = j``: where each row of a permutation went."""
+    return jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+
+
 def sum_rows_per_token(rows, order, t: int, k: int, position=None):
     """``[t, d]`` f32: token ``i``'s sum of its ``k`` assignment rows, where ``rows[j]``
     holds assignment ``order[j]`` (assignment ``a`` = token ``a // k``; ``order`` None: the
@@ -78,8 +83,7 @@ def sum_rows_per_token(rows, order, t: int, k: int, position=None):
     the GPU and change the last bit run to run. Elementwise additions, not a reduction: XLA
     fuses them with what consumes the sum (the shared expert's add and the cast)."""
     if position is None and order is not None:
-        position = jnp.zeros_like(order).at[order].set(
-            jnp.arange(order.shape[0], dtype=order.dtype))
+        position = inverse_order(order)
     if position is not None:
         rows = rows[position]
     per_token = rows.astype(jnp.float32).reshape(t, k, rows.shape[-1])

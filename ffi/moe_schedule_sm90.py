@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from dsv4_jax.kernels import moe_schedule_config
 from dsv4_jax.kernels.grouped_gemm_config import num_tile_slots
 from . import grouped_gemm_sm90 as gemm
+from .moe_reference import inverse_order
 
 __all__ = ["sorted_schedule", "schedule_cute", "schedule_xla"]
 
@@ -24,9 +25,7 @@ def schedule_xla(group_ids: jax.Array, groups: int, block_n: int):
     """``sorted_schedule`` in XLA: ``grouped_gemm_sm90.schedule`` and a scatter of the
     inverse permutation."""
     order, valid_sorted, *tiles = gemm.schedule(group_ids, groups, block_n)
-    position = jnp.zeros_like(order).at[order].set(
-        jnp.arange(order.shape[0], dtype=order.dtype))
-    return (order, position, valid_sorted, *tiles)
+    return (order, inverse_order(order), valid_sorted, *tiles)
 
 
 def schedule_cute(group_ids: jax.Array, groups: int, block_n: int):
