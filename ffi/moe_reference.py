@@ -11,8 +11,8 @@ import jax.numpy as jnp
 
 from .grouped_gemm_reference import ACT_DTYPES, check_weight, describe, grouped_gemm_reference
 
-__all__ = ["moe_experts_reference", "moe_expert_rows_reference", "check_moe_args", "inverse_order",
-           "sum_rows_per_token"]
+__all__ = ["moe_experts_reference", "moe_expert_rows_reference", "check_moe_args",
+           "inverse_order", "sum_rows_per_token"]
 
 
 def check_moe_args(x, idx, weights, w1, w3, w2, *, op: str = "moe_experts"):
