@@ -68,32 +68,47 @@ def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
                  for i in range(4))
 
 
-@dsl_user_op
-def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
-    """Four e4m3 codes -> two bf16x2 words, times ``multiplier``.
-
-    Each byte moves to the low byte of a bf16 half; the bf16 bits ``sign << 15 | (code &
-    0x7F) << 4`` put the 4-bit exponent in the lowest bf16 exponent bits and the 3-bit
-    mantissa on top of the bf16 mantissa: the code's value times 2^-120 (e4m3 subnormals
-    become bf16 subnormals). Multiplying by 2^120 and by ``multiplier`` is exact.
-    """
-    text = (
+def _fp8_pairs_text(multiplier: str | None) -> str:
+    """PTX of ``fp8x4_to_bf16x4``: input $2 (four codes), outputs $0 / $1, times
+    ``multiplier`` (an operand) when given."""
+    return (
         "{\n"
-        ".reg .b32 p, s, m, k, z;\n"
+        ".reg .b32 p, y, t, k, z;\n"
         f"mov.b32 k, {BF16_2POW120 * 0x10001:#010x};\n"
         "mov.b32 z, 0;\n"
         + "".join(
             f"prmt.b32 p, $2, z, {0x4140 + 0x0202 * i:#06x};\n"
-            "shl.b32 s, p, 8;\n"
-            "shl.b32 m, p, 4;\n"
-            "and.b32 s, s, 0x80008000;\n"
-            "and.b32 m, m, 0x07F007F0;\n"
-            f"or.b32 ${i}, s, m;\n"
+            "shl.b32 y, p, 4;\n"
+            "and.b32 t, y, 0x08000800;\n"
+            f"mad.lo.u32 ${i}, t, 15, y;\n"
             f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
-            f"mul.rn.bf16x2 ${i}, ${i}, $3;\n"
+            + (f"mul.rn.bf16x2 ${i}, ${i}, {multiplier};\n" if multiplier else "")
             for i in range(2))
         + "}")
-    res = _asm(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
+
+
+@dsl_user_op
+def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
+    """Four e4m3 codes -> two bf16x2 words (codes 0, 1 and 2, 3; low half first), times
+    ``multiplier``.
+
+    A byte permute puts each pair of codes in the low bytes of a word's halves; << 4 gives
+    ``(code & 0x7F) << 4`` with the sign at bit 11, and ``y + 15 (y & 0x08000800)`` moves
+    it to bit 15 (one ``mad``, which ptxas may issue on the FMA pipe, instead of two masks
+    and an ``or`` on the integer pipe). Those bits are the code's value times 2^-120 (e4m3
+    subnormals become bf16 subnormals): multiplying by 2^120 and by ``multiplier`` is exact.
+    """
+    res = _asm(2, [word, multiplier], _fp8_pairs_text("$3"), "=r,=r,r,r", loc, ip)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(2))
+
+
+@dsl_user_op
+def fp8x4_to_bf16x4_unscaled(word: Int32, *, loc=None, ip=None):
+    """``fp8x4_to_bf16x4`` without a multiplier: the codes' exact values ("mma_sync" applies
+    the 128 x 128 block scale to each K block's f32 sums, one multiply per sum instead of
+    one per weight)."""
+    res = _asm(2, [word], _fp8_pairs_text(None), "=r,=r,r", loc, ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
                  for i in range(2))
 

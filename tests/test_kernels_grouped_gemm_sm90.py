@@ -50,17 +50,29 @@ def test_fp4_lookup_tables_decode_every_code():
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))   # -0 too
 
 
-def test_fp8_shift_trick_decodes_every_code():
-    """e4m3 bits << 4 (sign to bit 15) read as bf16, times 2^120: the code's value."""
+def _fp8_word_to_values(word: int) -> np.ndarray:
+    """The kernels' ``fp8x4_to_bf16x4`` sequence before its multiplier: byte permute, << 4,
+    the sign moved from bit 11 to bit 15 by ``y + 15 (y & 0x08000800)``, times 2^120."""
+    values = []
+    for i in range(2):
+        y = (_prmt(word, 0, 0x4140 + 0x0202 * i) << 4) & 0xFFFFFFFF
+        bits = (y + 15 * (y & 0x08000800)) & 0xFFFFFFFF
+        values.append(_bf16_pair(bits) * np.float32(2.0 ** 120))
+    return np.concatenate(values)
+
+
+def test_fp8_sequence_decodes_every_code():
+    assert (support.BF16_2POW120 << 16) == np.float32(2.0 ** 120).view(np.uint32)
     codes = np.arange(256, dtype=np.uint32)
     want = np.asarray(jnp.asarray(codes.astype(np.uint8)).view(jnp.float8_e4m3fn)
                       .astype(jnp.float32))
-    bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << 4)
-    mult = np.float32(2.0 ** 120)
-    assert (support.BF16_2POW120 << 16) == np.float32(2.0 ** 120).view(np.uint32)
-    got = (bits << 16).view(np.float32) * mult
+    got = np.concatenate([_fp8_word_to_values(int(codes[i] | codes[i + 1] << 8
+                                                           | codes[i + 2] << 16
+                                                           | codes[i + 3] << 24))
+                          for i in range(0, 256, 4)])
     finite = np.isfinite(want)               # 0x7F / 0xFF are NaN in e4m3fn: never stored
     np.testing.assert_array_equal(got[finite], want[finite])
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0
 
 
 @pytest.mark.parametrize("block_n", [8, 128])
