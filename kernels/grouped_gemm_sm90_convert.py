@@ -68,25 +68,6 @@ def fp4x8_to_bf16x8(word: Int32, multiplier: Int32, *, loc=None, ip=None):
                  for i in range(4))
 
 
-def _fp8_pairs_text(multiplier: str | None) -> str:
-    """PTX of ``fp8x4_to_bf16x4``: input $2 (four codes), outputs $0 / $1, times
-    ``multiplier`` (an operand) when given."""
-    return (
-        "{\n"
-        ".reg .b32 p, y, t, k, z;\n"
-        f"mov.b32 k, {BF16_2POW120 * 0x10001:#010x};\n"
-        "mov.b32 z, 0;\n"
-        + "".join(
-            f"prmt.b32 p, $2, z, {0x4140 + 0x0202 * i:#06x};\n"
-            "shl.b32 y, p, 4;\n"
-            "and.b32 t, y, 0x08000800;\n"
-            f"mad.lo.u32 ${i}, t, 15, y;\n"
-            f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
-            + (f"mul.rn.bf16x2 ${i}, ${i}, {multiplier};\n" if multiplier else "")
-            for i in range(2))
-        + "}")
-
-
 @dsl_user_op
 def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
     """Four e4m3 codes -> two bf16x2 words (codes 0, 1 and 2, 3; low half first), times
@@ -98,17 +79,21 @@ def fp8x4_to_bf16x4(word: Int32, multiplier: Int32, *, loc=None, ip=None):
     and an ``or`` on the integer pipe). Those bits are the code's value times 2^-120 (e4m3
     subnormals become bf16 subnormals): multiplying by 2^120 and by ``multiplier`` is exact.
     """
-    res = _asm(2, [word, multiplier], _fp8_pairs_text("$3"), "=r,=r,r,r", loc, ip)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
-                 for i in range(2))
-
-
-@dsl_user_op
-def fp8x4_to_bf16x4_unscaled(word: Int32, *, loc=None, ip=None):
-    """``fp8x4_to_bf16x4`` without a multiplier: the codes' exact values ("mma_sync" applies
-    the 128 x 128 block scale to each K block's f32 sums, one multiply per sum instead of
-    one per weight)."""
-    res = _asm(2, [word], _fp8_pairs_text(None), "=r,=r,r", loc, ip)
+    text = (
+        "{\n"
+        ".reg .b32 p, y, t, k, z;\n"
+        f"mov.b32 k, {BF16_2POW120 * 0x10001:#010x};\n"
+        "mov.b32 z, 0;\n"
+        + "".join(
+            f"prmt.b32 p, $2, z, {0x4140 + 0x0202 * i:#06x};\n"
+            "shl.b32 y, p, 4;\n"
+            "and.b32 t, y, 0x08000800;\n"
+            f"mad.lo.u32 ${i}, t, 15, y;\n"
+            f"mul.rn.bf16x2 ${i}, ${i}, k;\n"
+            f"mul.rn.bf16x2 ${i}, ${i}, $3;\n"
+            for i in range(2))
+        + "}")
+    res = _asm(2, [word, multiplier], text, "=r,=r,r,r", loc, ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
                  for i in range(2))
 

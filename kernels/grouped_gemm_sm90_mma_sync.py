@@ -33,10 +33,9 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
 2. Each K block: ``cp.async.wait_group`` (this thread's copies of the oldest stage landed),
    a CTA barrier (everyone's landed, and everyone is done with the stage the next copy
    overwrites), the copies of the K block ``num_stages - 1`` ahead, then for each of 4 MMA
-   steps the lane converts 8 codes per row to bf16 (FP4 by byte-permute lookup times the
-   E8M0 scale; FP8 by the shift trick, both exact) and issues 2 ``mma.sync.m16n8k16`` per
-   matrix with f32 accumulators. FP8 blocks share one 128 x 128 scale: their MMAs sum into
-   the block's own f32 sums, which join the running sums times the scale. The K order inside the block is permuted identically for
+   steps the lane converts 8 codes per row to bf16 (FP4 by byte-permute lookup, FP8 by the
+   shift trick, both exact, times the E8M0 scale) and issues 2 ``mma.sync.m16n8k16`` per
+   matrix with f32 accumulators. The K order inside the block is permuted identically for
    weights and tokens (``grouped_gemm_config.warp_lane_columns``), so the product is unchanged.
 3. Epilogue from the accumulator fragments: rows g, g + 8 (output features), tokens
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
@@ -65,9 +64,8 @@ from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_
                        GroupedGemmSm90Config, split_k_blocks, warp_lane_columns,
                        warp_copy_reader, warp_copy_unit, warp_scale_buffers, warp_smem_bytes,
                        warp_token_unit, warp_weight_slots)
-from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, e8m0_f32, fp4x8_to_bf16x8,
-                                        fp8x4_to_bf16x4_unscaled, gated_output,
-                                        mma_m16n8k16_bf16)
+from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
+                               gated_output, mma_m16n8k16_bf16)
 from .sm90_primitives import launch, load_cluster_f32x4, store_shared_f32x4
 
 NUM_THREADS = 32 * WARP_COUNT
@@ -397,8 +395,7 @@ class GroupedGemmMmaSyncSm90:
         scales = self.scale_buffer(base, kb, warp)
         in_group = kb % self.scale_group
         words = []            # per (matrix, row half): the lane's weight words
-        mults = []            # per (matrix, row half): bf16x2 scale multiplier (FP4)
-        block_scales = []     # per matrix: the f32 scale of this K block's sums (FP8)
+        mults = []            # per (matrix, row half): bf16x2 scale multiplier
         for mat in cutlass.range_constexpr(self.mats):
             for half in cutlass.range_constexpr(2):
                 q = mat * 2 + half
@@ -412,15 +409,9 @@ class GroupedGemmMmaSyncSm90:
                     scale = _load_word(scales + (mat * WARP_ROWS + g + 8 * half) * 16
                                        + in_group * 4)
                     mults.append(e8m0_bf16x2((scale >> (8 * t)) & 0xFF))
-            if const_expr(self.weight_format == "fp8"):
-                scale = _load_word(scales + mat * 4)
-                block_scales.append(e8m0_f32((scale >> (8 * in_group)) & 0xFF))
-        # FP8: one 128 x 128 scale per matrix and K block, so the block's MMAs sum the
-        # unscaled weights' products into their own f32 sums, and each sum takes the
-        # power-of-two scale once as it joins the running sum (one FMA): the products of the
-        # scaled weights, scaled exactly, away from f32's and bf16's range ends.
-        sums = [Float32(0.0)] * (4 * self.mats) if const_expr(self.weight_format == "fp8") \
-            else [acc[j] for j in range(4 * self.mats)]
+                elif const_expr(self.weight_format == "fp8"):
+                    scale = _load_word(scales + mat * 4)
+                    mults.append(e8m0_bf16x2((scale >> (8 * in_group)) & 0xFF))
         tokens = self.token_stage(base, kb)
         for i in cutlass.range_constexpr(STEPS):
             # Columns 32t + 8i .. + 7 of token row g: unit 4t + i of the row.
@@ -432,7 +423,7 @@ class GroupedGemmMmaSyncSm90:
                 for h in cutlass.range_constexpr(2):
                     a = (pairs[0][2 * h], pairs[1][2 * h], pairs[0][2 * h + 1],
                          pairs[1][2 * h + 1])
-                    c = tuple(sums[4 * mat + j] for j in range(4))
+                    c = tuple(acc[4 * mat + j] for j in range(4))
                     b = (x[2 * h], x[2 * h + 1])
                     if const_expr(self.leaves_out("no_mma")):
                         # Keeps the operands live at one integer op + one convert per value.
@@ -440,13 +431,7 @@ class GroupedGemmMmaSyncSm90:
                     else:
                         d = mma_m16n8k16_bf16(a, b, c)
                     for j in cutlass.range_constexpr(4):
-                        sums[4 * mat + j] = d[j]
-        for mat in cutlass.range_constexpr(self.mats):
-            for j in cutlass.range_constexpr(4):
-                if const_expr(self.weight_format == "fp8"):
-                    acc[4 * mat + j] = acc[4 * mat + j] + sums[4 * mat + j] * block_scales[mat]
-                else:
-                    acc[4 * mat + j] = sums[4 * mat + j]
+                        acc[4 * mat + j] = d[j]
 
     def finish(self, acc: cute.Tensor):
         """Hook before the epilogue (``grouped_gemm_sm90_mma_fp8`` rescales there)."""
@@ -459,8 +444,8 @@ class GroupedGemmMmaSyncSm90:
         if const_expr(self.weight_format == "fp4"):
             return list(fp4x8_to_bf16x8(row_words[step], mults[q]))
         if const_expr(self.weight_format == "fp8"):
-            lo = fp8x4_to_bf16x4_unscaled(row_words[2 * step])
-            hi = fp8x4_to_bf16x4_unscaled(row_words[2 * step + 1])
+            lo = fp8x4_to_bf16x4(row_words[2 * step], mults[q])
+            hi = fp8x4_to_bf16x4(row_words[2 * step + 1], mults[q])
             return [lo[0], lo[1], hi[0], hi[1]]
         return [row_words[4 * step + j] for j in range(4)]
 
