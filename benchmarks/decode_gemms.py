@@ -28,7 +28,8 @@ calls it; the routed launches with both launches' features, as the MoE op resolv
 ``--algorithms``: the config under each named decode algorithm (the policy's
 ``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
 pipeline stages x K split (those that fit shared memory and whole scale groups);
-``--ablations``: the model's config with each of its kernel's benchmark-only ablations
+on prefill tiles (``--tokens 4096``) kernel x tile rows x stages (``--prefill-algorithms``,
+``--block-ns``); ``--ablations``: the model's config with each of its kernel's benchmark-only ablations
 (outputs wrong by design: where the time goes); ``--base ALG``: the first row, the sweep
 and the ablations under decode algorithm ALG instead of the model's. ``--budget``: seconds
 after which no further variant is started (rows already timed are kept).
@@ -100,11 +101,15 @@ def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
 
 def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[str, ...],
              algorithms: tuple[str, ...] = (), base: str = "",
-             stages: tuple[int, ...] = STAGES, splits: tuple[int, ...] = SPLITS):
+             stages: tuple[int, ...] = STAGES, splits: tuple[int, ...] = SPLITS,
+             block_ns: tuple[int, ...] = (), prefill_algorithms: tuple[str, ...] = ()):
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
-    kernel's, or those named that it has; the K split's only where it splits)."""
+    kernel's, or those named that it has; the K split's only where it splits). On prefill
+    tiles the sweep is kernel x ``block_ns`` x stages: the model's kernel and
+    ``prefill_algorithms``, tiles of ``block_ns`` token rows (default: the model's), the
+    ``stages`` that fit shared memory for this launch."""
     # The routed experts' launches resolve as the MoE op resolves them: with the features of
     # both launches of its call (w1/w3: K = d, N = inter; w2 the reverse), which set their
     # shared K split and stages (ffi/moe_sm90.moe_configs).
@@ -121,6 +126,9 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
         if other not in [c for _, c in out]:
             out.append((f"decode_algorithm {algorithm}", other))
     if model.spec.tiles != "decode":
+        if sweep:
+            out += prefill_sweep(shape, model, stages, block_ns or (model.block_n,),
+                                 (model.algorithm,) + prefill_algorithms, out)
         return out
     if sweep:
         most = (shape.k // BLOCK_K) // warp_scale_group(shape.fmt, shape.k // BLOCK_K)
@@ -144,6 +152,27 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
                 if a in KERNELS[model.algorithm].ablations
                 and (a != "no_dequant" or shape.fmt == "fp4")
                 and (a not in ("no_reduce", "no_cluster") or model.split_k > 1)]
+    return out
+
+
+def prefill_sweep(shape: GemmShape, model, stages, block_ns, algorithms, taken):
+    """Prefill-tile variants of ``model``: every kernel, tile and stage count that the config
+    accepts and that fits shared memory for this launch (gated or not), not already in
+    ``taken``."""
+    out, seen = [], [c for _, c in taken]
+    for algorithm in dict.fromkeys(algorithms):
+        for block_n in block_ns:
+            for stage_count in stages:
+                try:
+                    config = dataclasses.replace(model, algorithm=algorithm, block_n=block_n,
+                                                 num_stages=stage_count)
+                except ValueError:
+                    continue
+                if (config in seen
+                        or config.smem_bytes(shape.fmt, shape.gated) > SMEM_BYTES):
+                    continue
+                seen.append(config)
+                out.append((f"{algorithm} block_n {block_n}, stages {stage_count}", config))
     return out
 
 
@@ -209,6 +238,11 @@ def main(argv=None):
                    help="the sweep's pipeline stages (comma-separated)")
     p.add_argument("--splits", default=",".join(map(str, SPLITS)),
                    help="the sweep's K splits (comma-separated)")
+    p.add_argument("--block-ns", default="",
+                   help="prefill tiles: the sweep's token rows per tile (comma-separated; "
+                        "default the model's)")
+    p.add_argument("--prefill-algorithms", default="",
+                   help="prefill tiles: kernels the sweep tries besides the model's")
     p.add_argument("--ablations", nargs="?", const="all", default="",
                    help="the kernel's ablations (all, or comma-separated names: those the "
                         "kernel has)")
@@ -266,7 +300,9 @@ def main(argv=None):
                     args.ablations == "all" or tuple(a for a in args.ablations.split(",") if a),
                     tuple(a for a in args.algorithms.split(",") if a), args.base,
                     tuple(int(v) for v in args.stages.split(",")),
-                    tuple(int(v) for v in args.splits.split(",")))[
+                    tuple(int(v) for v in args.splits.split(",")),
+                    tuple(int(v) for v in args.block_ns.split(",") if v),
+                    tuple(a for a in args.prefill_algorithms.split(",") if a))[
                         :1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
