@@ -599,7 +599,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     WGMMA kernels also an even number of K blocks in each of ``k_ins``, the input features
     of the launches that will use the config.
     WGMMA: BF16 weights (4x the bytes of FP4 per stage) take 64-row tiles; then as many
-    pipeline stages as fit in shared memory for the gated launch (the larger of the two).
+    pipeline stages as fit in shared memory for this launch (``gated``: two matrices).
     Warp kernels: for at most 2 tiles of rows, K split ``split_k`` ways (None:
     ``auto_split_k``) with ``SPLIT_STAGES`` stages when it splits, else
     ``FEW_TILES_STAGES`` (few CTAs, each must keep more bytes in flight); else 4 stages;
@@ -670,7 +670,10 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         config = dataclasses.replace(config, algorithm=algorithm)
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
-    while config.num_stages > 2 and config.smem_bytes(weight_format, True) > SMEM_BYTES:
+    # As many stages as fit this launch: an ungated one (one matrix) may keep one more than
+    # the gated launch of its call (the grouped wo_a, bf16 tokens: 3 stages instead of 2,
+    # docs/performance.md, "the grouped wo_a's third stage").
+    while config.num_stages > 2 and config.smem_bytes(weight_format, gated) > SMEM_BYTES:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
 

@@ -166,3 +166,19 @@ def test_bf16_token_launches_keep_wgmma_tiles_with_few_ctas():
         assert (pick(rows).algorithm, pick(rows).block_n) == ("wgmma_coop", block), rows
     assert "mma_sync" not in support.FEW_CTAS_ALGORITHMS
     assert set(support.FEW_CTAS_ALGORITHMS) < set(support.WARP_ALGORITHMS)
+
+
+def test_prefill_stages_fit_the_launch_not_its_gated_sibling():
+    """WGMMA tiles take as many stages as fit the launch itself: the grouped wo_a (bf16
+    tokens, one matrix) 3, where a gated launch of the same tiles fits only 2; the gated
+    shared w1/w3 keeps what two matrices fit."""
+    woa = support.choose_config(4096 * 8, 8, "fp8", fp8_activations=False, n_outs=(1024,),
+                                k_ins=(4096,))
+    assert (woa.algorithm, woa.block_n, woa.num_stages) == ("wgmma_coop", 128, 3)
+    assert woa.smem_bytes("fp8", False) <= support.SMEM_BYTES
+    assert dataclasses.replace(woa, num_stages=4).smem_bytes("fp8", False) > support.SMEM_BYTES
+    assert woa.smem_bytes("fp8", True) > support.SMEM_BYTES       # gated, 3 would not fit
+    w13 = support.choose_config(4096, 1, "fp8", n_outs=(2048,), k_ins=(4096,), gated=True)
+    assert w13.smem_bytes("fp8", True) <= support.SMEM_BYTES
+    assert dataclasses.replace(w13, num_stages=w13.num_stages + 1).smem_bytes(
+        "fp8", True) > support.SMEM_BYTES
