@@ -282,6 +282,13 @@ MID_CONFIG = GroupedGemmSm90Config(block_n=64, num_stages=4)
 # MID_CONFIG does: the measured crossovers (docs/performance.md, "Crossover").
 WARP_ROWS_PER_EXPERT = 16
 MID_ROWS_PER_EXPERT = 40
+# "wgmma_coop" (bf16 tokens: one accumulator per math thread, no FP8 block sums) on an ungated
+# launch of at least WIDE_ROWS_PER_GROUP rows per group takes WIDE_BLOCK_N-row tiles at 2
+# stages: each converted weight tile then serves twice the tokens (the grouped wo_a of a
+# 4096-token chunk: -11 % against 128-row tiles at 3 stages; docs/performance.md, "the
+# grouped wo_a's third stage and wide tiles").
+WIDE_BLOCK_N = 256
+WIDE_ROWS_PER_GROUP = 2048
 # The warp-level decode kernels ("mma_sync", "mma_fp8"); 4 stages leave several CTAs per SM.
 DECODE_MMA_SYNC_CONFIG = GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
@@ -668,6 +675,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     else:
         config = MID_CONFIG if num_rows <= MID_ROWS_PER_EXPERT * num_groups else PREFILL_CONFIG
         config = dataclasses.replace(config, algorithm=algorithm)
+        if (algorithm == "wgmma_coop" and not gated
+                and num_rows >= WIDE_ROWS_PER_GROUP * num_groups):
+            config = dataclasses.replace(config, block_n=WIDE_BLOCK_N)
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     # As many stages as fit this launch: an ungated one (one matrix) may keep one more than

@@ -200,11 +200,13 @@ def test_cute_matches_the_reference(name, tokens, fmt, simulate):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, tokens", [("wq_b", 4096), ("wo_b", 512), ("shared_w13", 4096),
-                                          ("shared_w2", 4096), ("wo_a", 512), ("wkv", 4096)])
+                                          ("shared_w2", 4096), ("wo_a", 512), ("wkv", 4096),
+                                          ("wo_a", 2048)])
 @pytest.mark.parametrize("algorithm", ["wgmma_coop", "wgmma_fp8_coop"])
 def test_cute_coop_prefill_matches_the_reference(name, tokens, algorithm):
     """The dense FP8 linears at prefill sizes on the two-warpgroup kernels (wkv: 512 output
-    features; wo_a multiplies bf16 rows, so "wgmma_fp8_coop" falls back to "wgmma_coop")."""
+    features; wo_a multiplies bf16 rows, so "wgmma_fp8_coop" falls back to "wgmma_coop";
+    "wgmma_coop" at 2048 rows per group and more, ungated: 256-row tiles)."""
     groups, n, k, gated = GPU_SHAPES[name]
     w = _flash_weight("fp8", groups, n, k, 1)
     w_up = _flash_weight("fp8", groups, n, k, 2) if gated else None

@@ -172,7 +172,7 @@ def test_prefill_stages_fit_the_launch_not_its_gated_sibling():
     """WGMMA tiles take as many stages as fit the launch itself: the grouped wo_a (bf16
     tokens, one matrix) 3, where a gated launch of the same tiles fits only 2; the gated
     shared w1/w3 keeps what two matrices fit."""
-    woa = support.choose_config(4096 * 8, 8, "fp8", fp8_activations=False, n_outs=(1024,),
+    woa = support.choose_config(1024 * 8, 8, "fp8", fp8_activations=False, n_outs=(1024,),
                                 k_ins=(4096,))
     assert (woa.algorithm, woa.block_n, woa.num_stages) == ("wgmma_coop", 128, 3)
     assert woa.smem_bytes("fp8", False) <= support.SMEM_BYTES
@@ -182,3 +182,20 @@ def test_prefill_stages_fit_the_launch_not_its_gated_sibling():
     assert w13.smem_bytes("fp8", True) <= support.SMEM_BYTES
     assert dataclasses.replace(w13, num_stages=w13.num_stages + 1).smem_bytes(
         "fp8", True) > support.SMEM_BYTES
+
+
+def test_wide_tiles_for_bf16_token_launches_of_many_rows_per_group():
+    """"wgmma_coop" (bf16 tokens) takes 256-row tiles from WIDE_ROWS_PER_GROUP rows per group
+    on, ungated (one accumulator per math thread); gated launches and the FP8 kernels keep
+    128 (their block sums leave no registers for more)."""
+    pick = lambda rows, groups, **kw: support.choose_config(  # noqa: E731
+        rows, groups, "fp8", n_outs=(1024,), k_ins=(4096,), **kw)
+    wide = support.WIDE_ROWS_PER_GROUP
+    woa = pick(wide * 8, 8, fp8_activations=False)
+    assert (woa.algorithm, woa.block_n, woa.num_stages) == ("wgmma_coop", 256, 2)
+    assert woa.is_supported(weight_format="fp8", gated=False, n_out=1024, k_in=4096,
+                            x_dtype="bfloat16", num_tiles=64) == (True, "")
+    assert pick(wide * 8 - 8, 8, fp8_activations=False).block_n == 128
+    assert pick(wide, 1, fp8_activations=False, gated=True).block_n == 128
+    assert pick(wide * 8, 8).algorithm == "wgmma_fp8_coop"
+    assert pick(wide * 8, 8).block_n == 128

@@ -26,10 +26,15 @@ def test_prefill_tiles_take_coop_when_asked():
     mid = support.choose_config(30 * FLASH_EXPERTS, FLASH_EXPERTS, "fp4",
                                 prefill_algorithm="wgmma_coop")
     assert (mid.algorithm, mid.block_n) == ("wgmma_coop", 64)
-    # FP8 weights: 2 x 128 rows of 128 bytes per stage leave room for two stages only.
-    fp8 = support.choose_config(rows, FLASH_EXPERTS, "fp8", prefill_algorithm="wgmma_coop")
+    # FP8 weights: the gated launch's 2 x 128 rows of 128 bytes per stage leave room for two
+    # stages only; the ungated launch (one matrix) keeps three.
+    fp8 = support.choose_config(rows, FLASH_EXPERTS, "fp8", prefill_algorithm="wgmma_coop",
+                                gated=True)
     assert (fp8.algorithm, fp8.num_stages) == ("wgmma_coop", 2)
     assert fp8.smem_bytes("fp8", True) <= support.SMEM_BYTES
+    down = support.choose_config(rows, FLASH_EXPERTS, "fp8", prefill_algorithm="wgmma_coop")
+    assert (down.algorithm, down.num_stages) == ("wgmma_coop", 3)
+    assert down.smem_bytes("fp8", False) <= support.SMEM_BYTES
     # Without the FP8 simulation coop still runs (it multiplies bf16 rows).
     assert support.choose_config(rows, FLASH_EXPERTS, "fp4", prefill_algorithm="wgmma_coop",
                                  fp8_activations=False).algorithm == "wgmma_coop"
@@ -60,7 +65,7 @@ def test_support_names_what_coop_cannot_take():
 
 
 @pytest.mark.parametrize("fmt, gated, block_n", [("fp4", True, 128), ("fp4", False, 128),
-                                                 ("fp4", True, 64)])
+                                                 ("fp4", True, 64), ("fp8", False, 256)])
 def test_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_n):
     """Each math warpgroup issues the WGMMAs of its own 64 rows (8 k-steps of 16 per matrix
     and K block, m64 n block_n); the producer hands registers over (setmaxnreg down, then
