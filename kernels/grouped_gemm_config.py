@@ -284,11 +284,10 @@ WARP_ROWS_PER_EXPERT = 16
 MID_ROWS_PER_EXPERT = 40
 # "wgmma_coop" (bf16 tokens: one accumulator per math thread, no FP8 block sums) on an ungated
 # launch of at least WIDE_ROWS_PER_GROUP rows per group takes WIDE_BLOCK_N-row tiles at 2
-# stages: each converted weight tile then serves twice the tokens (the grouped wo_a of a
-# 4096-token chunk: -11 % against 128-row tiles at 3 stages; docs/performance.md, "the
-# grouped wo_a's third stage and wide tiles").
+# stages: each converted weight tile then serves twice the tokens (measured on the grouped
+# wo_a of 1024-4096-token chunks; docs/performance.md, "The grouped wo_a at prefill").
 WIDE_BLOCK_N = 256
-WIDE_ROWS_PER_GROUP = 2048
+WIDE_ROWS_PER_GROUP = 1024
 # The warp-level decode kernels ("mma_sync", "mma_fp8"); 4 stages leave several CTAs per SM.
 DECODE_MMA_SYNC_CONFIG = GroupedGemmSm90Config(block_n=8, num_stages=4, algorithm="mma_sync")
 
@@ -681,8 +680,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     if weight_format == "bf16" and config.block_n > 64:
         config = dataclasses.replace(config, block_n=64)
     # As many stages as fit this launch: an ungated one (one matrix) may keep one more than
-    # the gated launch of its call (the grouped wo_a, bf16 tokens: 3 stages instead of 2,
-    # docs/performance.md, "the grouped wo_a's third stage").
+    # the gated launch of its call (docs/performance.md, "The grouped wo_a at prefill").
     while config.num_stages > 2 and config.smem_bytes(weight_format, gated) > SMEM_BYTES:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config

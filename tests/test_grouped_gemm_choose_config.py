@@ -172,7 +172,7 @@ def test_prefill_stages_fit_the_launch_not_its_gated_sibling():
     """WGMMA tiles take as many stages as fit the launch itself: the grouped wo_a (bf16
     tokens, one matrix) 3, where a gated launch of the same tiles fits only 2; the gated
     shared w1/w3 keeps what two matrices fit."""
-    woa = support.choose_config(1024 * 8, 8, "fp8", fp8_activations=False, n_outs=(1024,),
+    woa = support.choose_config(512 * 8, 8, "fp8", fp8_activations=False, n_outs=(1024,),
                                 k_ins=(4096,))
     assert (woa.algorithm, woa.block_n, woa.num_stages) == ("wgmma_coop", 128, 3)
     assert woa.smem_bytes("fp8", False) <= support.SMEM_BYTES

@@ -130,8 +130,9 @@ def test_support_rejects_what_the_kernel_cannot_take():
                 a in spec.ablations[-2:] for a in spec.ablations]
     for fmt in support.WEIGHT_FORMATS:
         for rows in (6, 48, 384, 24576):
-            config = support.choose_config(rows, 256, fmt)
-            assert config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, rows, config)
+            for gated in (True, False):        # each launch's stages fit that launch
+                config = support.choose_config(rows, 256, fmt, gated=gated)
+                assert config.smem_bytes(fmt, gated) <= support.SMEM_BYTES, (fmt, rows, config)
         config = support.choose_config(8, 256, fmt, decode_algorithm="mma_sync")
         assert config.algorithm == "mma_sync" and config.block_n == 8
         assert 2 * config.smem_bytes(fmt, True) <= support.SMEM_BYTES, (fmt, config)

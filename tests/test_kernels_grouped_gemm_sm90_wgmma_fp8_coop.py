@@ -84,13 +84,16 @@ def test_token_scale_slots_put_each_lanes_scales_together(block_n):
 
 
 def test_prefill_tiles_take_fp8_coop_when_asked():
-    picked = _pick()
+    picked = _pick(gated=True)
     assert (picked.algorithm, picked.block_n) == ("wgmma_fp8_coop", 128)
     assert picked.num_stages >= 4 and picked.smem_bytes("fp4", True) <= support.SMEM_BYTES
+    down = _pick()                    # the w2 launch: one matrix, one stage more fits
+    assert down.num_stages == picked.num_stages + 1
+    assert down.smem_bytes("fp4", False) <= support.SMEM_BYTES
     mid = support.choose_config(30 * FLASH_EXPERTS, FLASH_EXPERTS, "fp4",
                                 prefill_algorithm="wgmma_fp8_coop")
     assert (mid.algorithm, mid.block_n) == ("wgmma_fp8_coop", 64)
-    fp8 = _pick("fp8")
+    fp8 = _pick("fp8", gated=True)
     assert fp8.algorithm == "wgmma_fp8_coop" and fp8.smem_bytes("fp8", True) <= support.SMEM_BYTES
     # Decode-size rows keep the warp kernels.
     assert support.choose_config(8, FLASH_EXPERTS, "fp4", prefill_algorithm="wgmma_fp8_coop"
@@ -132,7 +135,7 @@ def test_fp8_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_
     tables of 4 conversions per thread and K block); the producer hands registers over;
     gated, the up projection's sums cross to the gate's warpgroup through shared memory
     after a barrier of both; no spills, no serialized WGMMAs."""
-    config = dataclasses.replace(_pick(fmt), block_n=block_n)
+    config = dataclasses.replace(_pick(fmt, gated=gated), block_n=block_n)
     compiled = _compile(fmt, gated, config, a=512, k=512, n=256, e=4)
     ptx = compiled.artifacts.PTX
     mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{block_n}k32\.f32\.e4m3\.e4m3",
@@ -153,7 +156,7 @@ def test_fp8_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_
 
 @pytest.mark.parametrize("ablation", support.KERNELS["wgmma_fp8_coop"].ablations)
 def test_fp8_coop_ablations_compile_and_leave_out_their_stage(ablation):
-    ptx = _compile("fp4", True, dataclasses.replace(_pick(), ablation=ablation), a=512,
+    ptx = _compile("fp4", True, dataclasses.replace(_pick(gated=True), ablation=ablation), a=512,
                    k=1024).artifacts.PTX
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == (0 if ablation == "no_mma" else 8)
     assert "cp.async" in ptx
