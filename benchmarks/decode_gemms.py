@@ -1,5 +1,6 @@
 """The decode GEMMs of one Flash layer, each kernel launch alone: time against the HBM floor
-of its weight bytes, for the configuration the model picks and for variants of it.
+of its weight bytes (and its TF/s, for prefill sizes), for the configuration the model picks
+and for variants of it.
 
     source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
         [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations [a,b]] [--budget 400] [--out f.md]
@@ -155,6 +156,12 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     return out
 
 
+def flops(shape: GemmShape, tokens: int) -> int:
+    """The launch's multiply-adds x 2: every row (a token's, or one per routed expert and
+    group) times each matrix's N x K."""
+    return 2 * tokens * shape.rows_per_token * shape.n * shape.k * (2 if shape.gated else 1)
+
+
 def prefill_sweep(shape: GemmShape, model, stages, block_ns, algorithms, taken):
     """Prefill-tile variants of ``model``: every kernel, tile and stage count that the config
     accepts and that fits shared memory for this launch (gated or not), not already in
@@ -278,8 +285,8 @@ def main(argv=None):
                   f"({2 * x.nbytes / t / 1e12 / PEAK_TBPS:.0%} of {PEAK_TBPS} TB/s)", ""]
         del x
         print(lines[-2], flush=True)
-    lines += ["| gemm | T | variant | device us | floor us | of HBM | vs model | wall us |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| gemm | T | variant | device us | floor us | of HBM | vs model | wall us | TF/s |",
+              "|---|---|---|---|---|---|---|---|---|"]
     key = jax.random.key(0)
     for name in names:
         shape = shapes[name]
@@ -322,7 +329,7 @@ def main(argv=None):
                 row = (f"| {name} | {tokens} | {label} ({config.algorithm}, "
                        f"{config.num_stages} st, split {config.split_k}) | {t * 1e6:.1f} | "
                        f"{floor * 1e6:.1f} | {floor / t:.0%} | {t / model_t:.2f} | "
-                       f"{wall * 1e6:.1f} |")
+                       f"{wall * 1e6:.1f} | {flops(shape, tokens) / t / 1e12:.0f} |")
                 lines.append(row)
                 print(row, flush=True)
         del weights

@@ -62,3 +62,23 @@ def test_routed_launches_take_the_configs_the_moe_op_gives_them(tokens):
     got = tuple(decode_gemms.variants(shapes[name], rows, sweep=False, ablations=False)[0][1]
                 for name in ("routed_w13", "routed_w2"))
     assert got == want
+
+
+def test_prefill_sweep_tries_each_kernel_tile_and_stage_count_that_fits():
+    """On prefill tiles the sweep is kernel x tile rows x stages, each fitting shared memory
+    for its own launch, none twice; FLOPs count every row and both gated matrices."""
+    shapes = decode_gemms.gemm_shapes(Config.flash(quantized=True))
+    wo_a = shapes["wo_a"]
+    out = decode_gemms.variants(wo_a, 4096 * wo_a.rows_per_token, sweep=True, ablations=False,
+                                stages=(2, 3, 4), block_ns=(128, 256),
+                                prefill_algorithms=("wgmma",))
+    model = out[0][1]
+    assert (model.algorithm, model.block_n, model.num_stages) == ("wgmma_coop", 256, 2)
+    got = {(c.algorithm, c.block_n, c.num_stages) for _, c in out[1:]}
+    assert got == {("wgmma_coop", 128, 2), ("wgmma_coop", 128, 3), ("wgmma", 128, 2),
+                   ("wgmma", 128, 3), ("wgmma", 128, 4), ("wgmma", 256, 2)}
+    for label, config in out:
+        assert config.smem_bytes(wo_a.fmt, wo_a.gated) <= support.SMEM_BYTES, label
+    assert len({c for _, c in out}) == len(out)
+    assert decode_gemms.flops(wo_a, 4096) == 2 * 4096 * 8 * 1024 * 4096
+    assert decode_gemms.flops(shapes["routed_w13"], 1) == 2 * 6 * 2 * 2048 * 4096
