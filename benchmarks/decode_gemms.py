@@ -28,10 +28,11 @@ Variants: "model" (``resolve_config`` under the default ``GroupedGemmPolicy``, a
 calls it; the routed launches with both launches' features, as the MoE op resolves them);
 ``--algorithms``: the config under each named decode algorithm (the policy's
 ``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
-pipeline stages x K split (those that fit shared memory and whole scale groups);
-on prefill tiles (``--tokens 4096``) kernel x tile rows x stages (``--prefill-algorithms``,
-``--block-ns``); ``--ablations``: the model's config with each of its kernel's benchmark-only ablations
-(outputs wrong by design: where the time goes); ``--base ALG``: the first row, the sweep
+pipeline stages x K split (those that fit shared memory and whole scale groups); on
+prefill tiles (``--tokens 4096``) kernel x tile rows x stages (``--prefill-algorithms``,
+``--block-ns``); ``--ablations``: the model's config with each of its kernel's
+benchmark-only ablations (outputs wrong by design: where the time goes); ``--base ALG``:
+the first row, the sweep
 and the ablations under decode algorithm ALG instead of the model's. ``--budget``: seconds
 after which no further variant is started (rows already timed are kept).
 """
