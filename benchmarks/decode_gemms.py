@@ -32,9 +32,9 @@ pipeline stages x K split (those that fit shared memory and whole scale groups);
 prefill tiles (``--tokens 4096``) kernel x tile rows x stages (``--prefill-algorithms``,
 ``--block-ns``); ``--ablations``: the model's config with each of its kernel's
 benchmark-only ablations (outputs wrong by design: where the time goes); ``--base ALG``:
-the first row, the sweep
-and the ablations under decode algorithm ALG instead of the model's. ``--budget``: seconds
-after which no further variant is started (rows already timed are kept).
+the first row, the sweep and the ablations under decode algorithm ALG instead of the
+model's. ``--budget``: seconds after which no further variant is started (rows already
+timed are kept).
 """
 from __future__ import annotations
 
