@@ -38,7 +38,7 @@ def variants(rows, dims, tokens, warp_only):
     """The configs timed for ``rows`` assignment rows of ``tokens`` tokens."""
     def config(**policy):
         return resolve_config(GroupedGemmPolicy(**policy), rows, dims.experts, FMT,
-                              (dims.dim, dims.moe_inter_dim), simulate=True)
+                              (dims.dim, dims.moe_inter_dim), simulate=True, gated=True)
     base = config(decode_algorithm="wgmma", prefill_algorithm="wgmma")   # one math warpgroup
     # Joined ablations isolate one side: no loads (the math warpgroup alone), no
     # conversion or MMA (the producer and the pipeline alone), nothing (the pipeline).
@@ -58,7 +58,8 @@ def variants(rows, dims, tokens, warp_only):
         # where the decode tiles (8 rows, each re-reads its expert's weights) stop beating
         # the 64/128-row WGMMA tiles (one tile per expert, mostly padding).
         warp = resolve_config(GroupedGemmPolicy(decode_algorithm="mma_fp8"), 64 * dims.k,
-                              dims.experts, FMT, (dims.dim, dims.moe_inter_dim), simulate=True)
+                              dims.experts, FMT, (dims.dim, dims.moe_inter_dim), simulate=True,
+                              gated=True)
         out = [base, dataclasses.replace(base, block_n=64, num_stages=4), PREFILL_FP8_CONFIG,
                warp, dataclasses.replace(warp, algorithm="mma_sync"),
                config(prefill_algorithm="wgmma_coop"), config(prefill_algorithm="wgmma_fp8_coop")]
