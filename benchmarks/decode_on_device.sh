@@ -14,6 +14,8 @@
 #             call: a before/after on one machine (the kernel cache keys on kernel sources)
 #   tests:    GPU tests of the grouped-GEMM op at the model's shapes and of the model
 #   prefill:  decode_step.py --prefill at CHUNKS (4096)
+#   prefill_ab: the prefill chunk (no profile) with the change of AB_PATCH and without it,
+#             alternating ROUNDS (2) times in one call, as ab does for the decode step
 #   moe_tests: the routed experts' GPU tests (tests/test_moe.py), two processes
 #   checks:   GPU tests of the FP8 cache, the model and the indexer kernels, three processes
 #             (a test hanging past HANG_S (300) s dumps its stack into the log)
@@ -58,6 +60,16 @@ for what in "$@"; do
         done ;;
     prefill) run_bench prefill "" ${PREFILL_TIMEOUT:-240} --prefill --impls auto \
                --chunks ${CHUNKS:-4096} --profile-chunk ${CHUNKS:-4096} ;;
+    prefill_ab) [[ -f ${AB_PATCH:-} ]] || { echo "prefill_ab: AB_PATCH names no patch"; exit 2; }
+        for round in $(seq ${ROUNDS:-2}); do
+          for side in with without; do
+            echo "== $side the change ($AB_PATCH), round $round"
+            [[ $side == without ]] && { patch -s -p1 -R < "$AB_PATCH" || exit 1; }
+            TAIL=${TAIL:-3} run_bench "prefill_ab_${side}_$round" "" ${PREFILL_TIMEOUT:-240} \
+              --prefill --impls auto --chunks ${CHUNKS:-4096} --no-profile
+            [[ $side == without ]] && { patch -s -p1 < "$AB_PATCH" || exit 1; }
+          done
+        done ;;
     long) (cd benchmarks && timeout ${LONG_TIMEOUT:-540} python3 long_context.py \
              --out "$OUT/long_context.md" --chunk ${CHUNK:-4096} \
              --prefixes ${PREFIXES:-0,32768,131072} --prompt ${PROMPT:-0} \
