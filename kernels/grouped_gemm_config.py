@@ -407,6 +407,19 @@ def fp8_warp_unit(row_kind: str, row, unit):
     return unit ^ ((row & 3) << 1)
 
 
+# "mma_sync", FP8 weights: the XOR of an odd row's 16-byte units in its stage row. Rows g and
+# g + 1 of a quarter-warp then fill 8 distinct bank groups both when copied (units 4 c + t,
+# ``warp_copy_unit``) and when read back (units 2 t + c): bit 2 of the XOR parts the copies,
+# bit 0 the reads (a stage laid out per reader lane split each copy over shared banks).
+MMA_SYNC_FP8_SWIZZLE = 5
+
+
+def mma_sync_fp8_unit(g, unit):
+    """"mma_sync", FP8 weights: where 16-byte ``unit`` (0-7) of warp row g's K block sits in
+    its 128-byte stage row. Works on ints and on kernel integers alike."""
+    return unit ^ (MMA_SYNC_FP8_SWIZZLE * (g & 1))
+
+
 def rs_token_offset(row, unit, second):
     """"wgmma_rs": byte offset in a token stage of the 4-byte word ``second`` (0, 1) of the
     e4m3 codes of K columns 8 unit .. 8 unit + 7 of token row ``row``: MMA step unit / 4's

@@ -61,8 +61,9 @@ from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
-                       GroupedGemmSm90Config, split_k_blocks, warp_lane_columns,
-                       warp_copy_reader, warp_copy_unit, warp_scale_buffers, warp_smem_bytes,
+                       GroupedGemmSm90Config, mma_sync_fp8_unit, split_k_blocks,
+                       warp_lane_columns, warp_copy_reader, warp_copy_unit,
+                       warp_scale_buffers, warp_smem_bytes,
                        warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
@@ -354,15 +355,29 @@ class GroupedGemmMmaSyncSm90:
 
     def copy_slot(self, stage, mat, half, chunk, lane):
         """Where lane 4g + t's copy ``chunk`` of row g + 8 ``half`` of ``mat`` goes: the slot
-        of the lane that converts that unit (``warp_copy_reader``)."""
+        of the lane that converts that unit (``warp_copy_reader``; FP8: the unit's place in
+        its swizzled row, ``fp8_row_slot``)."""
         g, t = lane // 4, lane % 4
+        if const_expr(self.weight_format == "fp8"):
+            return self.fp8_row_slot(stage, mat, half, g, warp_copy_unit(t, chunk))
         reader, reader_chunk = warp_copy_reader(warp_copy_unit(t, chunk), self.chunks)
         return self.weight_slot(stage, mat, half, reader_chunk, 4 * g + reader)
 
     def weight_slot(self, stage, mat, half, chunk, lane):
         """Shared address of the lane's 16-byte ``chunk`` of row g + 8 ``half`` of ``mat``:
-        its own slots, read back by itself only."""
+        FP4 and BF16, its own slots, read back by itself only; FP8, unit ``t chunks + chunk``
+        of the row (``fp8_row_slot``)."""
+        if const_expr(self.weight_format == "fp8"):
+            g, t = lane // 4, lane % 4
+            return self.fp8_row_slot(stage, mat, half, g, t * self.chunks + chunk)
         return stage + (((mat * 2 + half) * self.chunks + chunk) * 32 + lane) * 16
+
+    def fp8_row_slot(self, stage, mat, half, g, unit):
+        """FP8: the warp's rows of a stage row-major (128 bytes each), the units of odd rows
+        swizzled (``mma_sync_fp8_unit``) so that neither the copies nor the reads of a
+        quarter-warp share a bank group."""
+        row = (mat * 2 + half) * 8 + g
+        return stage + row * self.row_bytes + mma_sync_fp8_unit(g, unit) * 16
 
     @cute.jit
     def issue_scales(self, mSa: cute.Tensor, mSb: cute.Tensor, n_out: Int32, expert: Int32,

@@ -349,6 +349,25 @@ def test_warp_weight_copies_read_whole_sectors_and_reach_their_reader(fmt):
         assert support.warp_lane_weight_byte(t, kb, fmt) + 16 * chunk == kb * row_bytes + 16 * unit
 
 
+def test_mma_sync_fp8_stage_rows_are_free_of_bank_conflicts():
+    """"mma_sync", FP8 weights: each quarter-warp's copies (units ``warp_copy_unit(t, c)`` of
+    rows g) and reads (units 2 t + c, the lane's own bytes) fall in 8 distinct 16-byte bank
+    groups, and every unit is read from where it was copied."""
+    chunks = support.ROW_BYTES["fp8"] // 4 // 16
+
+    def slot(g, unit):                      # 16-byte slot in the warp's row-major stage
+        return 8 * g + support.mma_sync_fp8_unit(g, unit)
+
+    for c in range(chunks):
+        for quarter in range(4):
+            lanes = range(8 * quarter, 8 * quarter + 8)
+            copies = {slot(l // 4, support.warp_copy_unit(l % 4, c)) % 8 for l in lanes}
+            reads = {slot(l // 4, chunks * (l % 4) + c) % 8 for l in lanes}
+            assert len(copies) == 8 and len(reads) == 8, (c, quarter, copies, reads)
+    for g in range(8):
+        assert sorted(support.mma_sync_fp8_unit(g, u) for u in range(8)) == list(range(8))
+
+
 def _mma_m16n8k32(a, b):
     """PTX ``mma.m16n8k32`` e4m3 fragments (lists per lane of byte values) -> D 16 x 8."""
     A, B = np.zeros((16, 32)), np.zeros((32, 8))
