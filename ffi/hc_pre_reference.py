@@ -16,13 +16,35 @@ __all__ = ["hc_pre_reference", "check_hc_pre_args", "stream_mixes", "collapse", 
            "hc_post"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
+# fn split into three bf16 parts that sum to it exactly (8 + 8 + 8 significant bits), each
+# multiplied on bf16 tensor cores with f32 sums: XLA's algorithm, the split made in the GEMM.
+BF16_X6 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+
+
+def _mixes_f32(xf: jax.Array, fn: jax.Array) -> jax.Array:
+    return jnp.einsum("...k,mk->...m", xf, fn, precision=HIGHEST)
+
+
+def _mixes_bf16_x6(xf: jax.Array, fn: jax.Array) -> jax.Array:
+    return jnp.einsum("...k,mk->...m", xf, fn, precision=BF16_X6)
 
 
 def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
-    """``(flatten(X) @ fn.T) * rsqrt(mean(flatten(X)^2) + eps)`` in f32: ``[..., rows(fn)]``."""
+    """``(flatten(X) @ fn.T) * rsqrt(mean(flatten(X)^2) + eps)`` in f32: ``[..., rows(fn)]``.
+
+    BF16 streams on a GPU: the product is XLA's BF16_BF16_F32_X6 dot. A bf16 X is its own
+    bf16 split, so of the six bf16 products it sums the three that do not vanish are X
+    times each of fn's three parts: every product is exact in f32 and the mixes are the f32 product's up to the
+    summation order -- without the f32 copy of the streams and the f32 GEMM that the
+    prefill's chain spent its time in (docs/performance.md). Elsewhere: the f32 GEMM."""
     xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
     rsqrt = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
-    return jnp.einsum("...k,mk->...m", xf, fn.astype(jnp.float32), precision=HIGHEST) * rsqrt
+    fn = fn.astype(jnp.float32)
+    if x.dtype == jnp.bfloat16:
+        mixes = jax.lax.platform_dependent(xf, fn, cuda=_mixes_bf16_x6, default=_mixes_f32)
+    else:
+        mixes = _mixes_f32(xf, fn)
+    return mixes * rsqrt
 
 
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import np_reference as ref
 from dsv4_jax.ffi import hc_pre, hc_pre_reference
-from dsv4_jax.ffi.hc_pre_reference import hc_post
+from dsv4_jax.ffi.hc_pre_reference import hc_post, stream_mixes
 from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config, choose_config
 
 N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
@@ -51,6 +51,41 @@ def test_reference_matches_the_float64_formula():
     np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(post, want[1], rtol=1e-5)
     np.testing.assert_allclose(comb, want[2], rtol=1e-4, atol=1e-6)
+
+
+def _mixes_hlo(dtype, platform):
+    x = jax.ShapeDtypeStruct((512, N, 256), dtype)
+    fn = jax.ShapeDtypeStruct(((2 + N) * N, N * 256), jnp.float32)
+    return jax.jit(lambda a, b: stream_mixes(a, b, NORM_EPS)).trace(
+        x, fn).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_stream_mixes_of_bf16_streams_run_the_bf16x6_dot_on_gpus():
+    """bf16 streams lowered for a GPU: one dot, XLA's BF16_BF16_F32_X6 algorithm (fn split
+    into three bf16 parts inside the GEMM; no f32 GEMM); f32 streams and CPUs keep the f32
+    GEMM at HIGHEST precision."""
+    gpu = _mixes_hlo(jnp.bfloat16, "cuda")
+    assert gpu.count("stablehlo.dot_general") == 1
+    assert ("lhs_precision_type = bf16, rhs_precision_type = bf16, accumulation_type = f32"
+            in gpu and "num_primitive_operations = 6" in gpu), gpu
+    for text in (_mixes_hlo(jnp.float32, "cuda"), _mixes_hlo(jnp.bfloat16, "cpu")):
+        assert "num_primitive_operations" not in text
+        assert "HIGHEST" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 512, 4096])
+def test_stream_mixes_on_the_gpu_match_the_float64_formula(tokens):
+    """The GPU's mixes of bf16 streams (the BF16_BF16_F32_X6 dot) against float64: within a
+    few f32 roundings of each mix's sum of |products| (the f32 GEMM's own error bound)."""
+    x, fn = _inputs(tokens, 4096, seed=tokens)[:2]
+    got = np.asarray(jax.jit(lambda a, b: stream_mixes(a, b, NORM_EPS))(x, fn),
+                     np.float64)
+    flat, fn64 = np.asarray(x, np.float64).reshape(tokens, -1), np.asarray(fn, np.float64)
+    rsqrt = 1 / np.sqrt(np.mean(flat * flat, axis=-1, keepdims=True) + NORM_EPS)
+    want = flat @ fn64.T * rsqrt
+    bound = np.abs(flat) @ np.abs(fn64).T * rsqrt
+    assert np.max(np.abs(got - want) / bound) < 2 ** -20
 
 
 def test_leading_dims_and_the_xla_chain_on_cpu():
