@@ -7,6 +7,8 @@ cannot drift apart.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +21,10 @@ HIGHEST = jax.lax.Precision.HIGHEST
 # fn split into three bf16 parts that sum to it exactly (8 + 8 + 8 significant bits), each
 # multiplied on bf16 tensor cores with f32 sums: XLA's algorithm, the split made in the GEMM.
 BF16_X6 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+# Fewer rows keep the f32 GEMM: XLA rewrites a dot of one row into a multiply and a sum at
+# the algorithm's bf16 operand precision, dropping fn's lower parts (docs/performance.md);
+# the prefill chain this serves runs above the mHC pre kernel's rows anyway.
+BF16_X6_MIN_ROWS = 256
 
 
 def _mixes_f32(xf: jax.Array, fn: jax.Array) -> jax.Array:
@@ -32,7 +38,8 @@ def _mixes_bf16_x6(xf: jax.Array, fn: jax.Array) -> jax.Array:
 def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     """``(flatten(X) @ fn.T) * rsqrt(mean(flatten(X)^2) + eps)`` in f32: ``[..., rows(fn)]``.
 
-    BF16 streams on a GPU: the product is XLA's BF16_BF16_F32_X6 dot. A bf16 X is its own
+    BF16 streams on a GPU, at least ``BF16_X6_MIN_ROWS`` rows: the product is XLA's
+    BF16_BF16_F32_X6 dot. A bf16 X is its own
     bf16 split, so of the six bf16 products it sums the three that do not vanish are X
     times each of fn's three parts: every product is exact in f32 and the mixes are the f32 product's up to the
     summation order -- without the f32 copy of the streams and the f32 GEMM that the
@@ -40,7 +47,7 @@ def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
     rsqrt = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
     fn = fn.astype(jnp.float32)
-    if x.dtype == jnp.bfloat16:
+    if x.dtype == jnp.bfloat16 and math.prod(x.shape[:-2]) >= BF16_X6_MIN_ROWS:
         mixes = jax.lax.platform_dependent(xf, fn, cuda=_mixes_bf16_x6, default=_mixes_f32)
     else:
         mixes = _mixes_f32(xf, fn)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 import np_reference as ref
 from dsv4_jax.ffi import hc_pre, hc_pre_reference
-from dsv4_jax.ffi.hc_pre_reference import hc_post, stream_mixes
+from dsv4_jax.ffi.hc_pre_reference import BF16_X6_MIN_ROWS, hc_post, stream_mixes
 from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config, choose_config
 
 N, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-6
@@ -53,31 +53,33 @@ def test_reference_matches_the_float64_formula():
     np.testing.assert_allclose(comb, want[2], rtol=1e-4, atol=1e-6)
 
 
-def _mixes_hlo(dtype, platform):
-    x = jax.ShapeDtypeStruct((512, N, 256), dtype)
+def _mixes_hlo(dtype, platform, rows=BF16_X6_MIN_ROWS):
+    x = jax.ShapeDtypeStruct((rows, N, 256), dtype)
     fn = jax.ShapeDtypeStruct(((2 + N) * N, N * 256), jnp.float32)
     return jax.jit(lambda a, b: stream_mixes(a, b, NORM_EPS)).trace(
         x, fn).lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_stream_mixes_of_bf16_streams_run_the_bf16x6_dot_on_gpus():
-    """bf16 streams lowered for a GPU: one dot, XLA's BF16_BF16_F32_X6 algorithm (fn split
-    into three bf16 parts inside the GEMM; no f32 GEMM); f32 streams and CPUs keep the f32
-    GEMM at HIGHEST precision."""
+    """bf16 streams of ``BF16_X6_MIN_ROWS`` rows lowered for a GPU: one dot, XLA's
+    BF16_BF16_F32_X6 algorithm (fn split into three bf16 parts inside the GEMM; no f32
+    GEMM); fewer rows, f32 streams and CPUs keep the f32 GEMM at HIGHEST precision."""
     gpu = _mixes_hlo(jnp.bfloat16, "cuda")
     assert gpu.count("stablehlo.dot_general") == 1
     assert ("lhs_precision_type = bf16, rhs_precision_type = bf16, accumulation_type = f32"
             in gpu and "num_primitive_operations = 6" in gpu), gpu
-    for text in (_mixes_hlo(jnp.float32, "cuda"), _mixes_hlo(jnp.bfloat16, "cpu")):
+    for text in (_mixes_hlo(jnp.float32, "cuda"), _mixes_hlo(jnp.bfloat16, "cpu"),
+                 _mixes_hlo(jnp.bfloat16, "cuda", BF16_X6_MIN_ROWS - 1)):
         assert "num_primitive_operations" not in text
         assert "HIGHEST" in text
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 512, 4096])
+@pytest.mark.parametrize("tokens", [1, 8, 255, 256, 1000, 4096])
 def test_stream_mixes_on_the_gpu_match_the_float64_formula(tokens):
-    """The GPU's mixes of bf16 streams (the BF16_BF16_F32_X6 dot) against float64: within a
-    few f32 roundings of each mix's sum of |products| (the f32 GEMM's own error bound)."""
+    """The GPU's mixes of bf16 streams (the f32 GEMM below ``BF16_X6_MIN_ROWS`` rows, the
+    BF16_BF16_F32_X6 dot from there) against float64: within a few f32 roundings of each
+    mix's sum of |products| (the f32 GEMM's own error bound)."""
     x, fn = _inputs(tokens, 4096, seed=tokens)[:2]
     got = np.asarray(jax.jit(lambda a, b: stream_mixes(a, b, NORM_EPS))(x, fn),
                      np.float64)
