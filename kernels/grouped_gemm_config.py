@@ -407,17 +407,21 @@ def fp8_warp_unit(row_kind: str, row, unit):
     return unit ^ ((row & 3) << 1)
 
 
-# "mma_sync", FP8 weights: the XOR of an odd row's 16-byte units in its stage row. Rows g and
-# g + 1 of a quarter-warp then fill 8 distinct bank groups both when copied (units 4 c + t,
-# ``warp_copy_unit``) and when read back (units 2 t + c): bit 2 of the XOR parts the copies,
-# bit 0 the reads (a stage laid out per reader lane split each copy over shared banks).
-MMA_SYNC_FP8_SWIZZLE = 5
+def fp8_row_copy(lane, i):
+    """The warp kernels' FP8 weight copies: ``(row, unit)`` that ``lane`` copies in copy
+    instruction ``i`` (0-3) of a matrix -- unit lane % 8 of warp row 4 i + lane / 8, so each
+    instruction reads 4 whole 128-byte K-block rows (4 lines; copies of 8 half-rows cost a
+    shared-memory wavefront per line: docs/performance.md). Works on ints and on kernel
+    integers alike."""
+    return 4 * i + lane // 8, lane % 8
 
 
-def mma_sync_fp8_unit(g, unit):
-    """"mma_sync", FP8 weights: where 16-byte ``unit`` (0-7) of warp row g's K block sits in
-    its 128-byte stage row. Works on ints and on kernel integers alike."""
-    return unit ^ (MMA_SYNC_FP8_SWIZZLE * (g & 1))
+def mma_sync_fp8_unit(row, unit):
+    """"mma_sync", FP8 weights: where 16-byte ``unit`` (0-7) of warp row ``row``'s K block
+    sits in its 128-byte stage row: odd rows swap their units' pairs, so that the reads of a
+    quarter-warp (rows 2a and 2a + 1, lane 4g + t reading unit 2 t + c) hit 8 distinct bank
+    groups. Works on ints and on kernel integers alike."""
+    return unit ^ (row & 1)
 
 
 def rs_token_offset(row, unit, second):

@@ -18,9 +18,9 @@ scale per token and K block of 128, bit for bit ``quant.act_quant`` -- and the w
 
 Dataflow per K block (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token
 rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sync"):
-weights by lane 4g + t (16-byte units t (FP4) or t, 4 + t (FP8: whole sectors per copy
-instruction) of rows g, g + 8 of each matrix) into row-major, swizzled rows of its warp's
-stage (``grouped_gemm_config.fp8_warp_unit``);
+weights (FP4: lane 4g + t unit t of rows g, g + 8 of each matrix; FP8: whole 128-byte
+rows, 4 per copy instruction, ``grouped_gemm_config.fp8_row_copy``) into row-major,
+swizzled rows of its warp's stage (``grouped_gemm_config.fp8_warp_unit``);
 weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens, in
 ``config.token_stages`` = S stages of codes + scales (a half warp quantises one row of one
 K block: its largest |x| by shuffles, 8 columns per thread): before the loop the first S - 1
@@ -230,6 +230,12 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     def copy_slot(self, stage, mat, half, chunk, lane):
         """A lane's copies go to its own units of the rows (``weight_slot``)."""
         return self.weight_slot(stage, mat, half, chunk, lane)
+
+    def fp8_row_slot(self, stage, mat, row, unit):
+        """FP8 weights (copied whole rows at a time, ``fp8_row_copy``): 16-byte ``unit`` of
+        warp row ``row`` of ``mat``, where ``weight_slot`` and the reads place it."""
+        q = mat * WARP_ROWS + row
+        return stage + q * self.row_bytes + fp8_warp_unit("fp8", q, unit) * 16
 
     @cute.jit
     def issue(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor, mSa: cute.Tensor,

@@ -19,10 +19,12 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
 1. Copies, all 16-byte and sector-complete where the format allows (per-lane 4-byte scale
    copies and per-warp token copies cost far more than their bytes; docs/performance.md):
    - weights: lane ``4g + t`` converts, of weight rows g and g + 8 of its warp (each
-     matrix), the bytes of columns [32t, 32t + 32) -- one FP4 scale block -- from its own
-     slots; the copies are dealt so that each copy instruction reads whole 32-byte sectors
-     (``warp_copy_unit``: FP8 and BF16 rows' units go to a neighbour's slots,
-     ``warp_copy_reader``; the CTA barrier of the K block orders them);
+     matrix), the bytes of columns [32t, 32t + 32) -- one FP4 scale block. FP8 rows are
+     copied whole, 4 rows per copy instruction (``fp8_row_copy``), into row-major stage
+     rows (``fp8_row_slot``); FP4 and BF16 lanes read their own slots, the copies dealt so
+     that each instruction reads whole 32-byte sectors (``warp_copy_unit``: BF16 rows'
+     units go to a neighbour's slots, ``warp_copy_reader``). The CTA barrier of the K
+     block orders copies and reads;
    - tokens: the CTA's 128 threads copy the tile's 8 token rows x 128 columns once, one
      16-byte unit each, into a stage shared by the warps, XOR-swizzled
      (``grouped_gemm_config.warp_token_unit``; rows past the tile's count read the tile's first row,
@@ -61,8 +63,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                        WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
-                       GroupedGemmSm90Config, mma_sync_fp8_unit, split_k_blocks,
-                       warp_lane_columns, warp_copy_reader, warp_copy_unit,
+                       GroupedGemmSm90Config, fp8_row_copy, mma_sync_fp8_unit,
+                       split_k_blocks, warp_lane_columns, warp_copy_reader, warp_copy_unit,
                        warp_scale_buffers, warp_smem_bytes,
                        warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
@@ -335,9 +337,10 @@ class GroupedGemmMmaSyncSm90:
     @cute.jit
     def issue_weights(self, mWa: cute.Tensor, mWb: cute.Tensor, w_row: Int32, kb: Int32,
                       stage: Int32, k_in: Int32, lane: Int32):
-        """Lane 4g + t: units ``warp_copy_unit(t, c)`` of K block ``kb`` of weight rows g and
-        g + 8 of each matrix (whole sectors per copy instruction), 16 bytes at a time, to
-        ``copy_slot``."""
+        """This lane's 16-byte copies of K block ``kb`` of the warp's weight rows. FP8: whole
+        128-byte rows per copy instruction (``fp8_row_copy``) into ``fp8_row_slot``. FP4 and
+        BF16: lane 4g + t copies units ``warp_copy_unit(t, c)`` of rows g and g + 8 of each
+        matrix (whole sectors per copy instruction) to ``copy_slot``."""
         g, t = lane // 4, lane % 4
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
         # 16-byte copies bypass L1 (.cg): no SM reads a weight byte twice.
@@ -346,20 +349,25 @@ class GroupedGemmMmaSyncSm90:
             num_bits_per_copy=128)
         for mat in cutlass.range_constexpr(self.mats):
             w_base = (mWa if mat == 0 else mWb).iterator.toint()
-            for half in cutlass.range_constexpr(2):             # rows g and g + 8
-                row = (w_row + g + 8 * half).to(Int64)
-                for c in cutlass.range_constexpr(self.chunks):
-                    src = w_base + row * w_stride + (
-                        kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
-                    copy_bytes(copy_16, 16, src, self.copy_slot(stage, mat, half, c, lane))
+            if const_expr(self.weight_format == "fp8"):
+                for i in cutlass.range_constexpr(WARP_ROWS // 4):
+                    r, unit = fp8_row_copy(lane, i)
+                    src = w_base + (w_row + r).to(Int64) * w_stride + (
+                        kb * self.row_bytes + unit * 16).to(Int64)
+                    copy_bytes(copy_16, 16, src, self.fp8_row_slot(stage, mat, r, unit))
+            else:
+                for half in cutlass.range_constexpr(2):             # rows g and g + 8
+                    row = (w_row + g + 8 * half).to(Int64)
+                    for c in cutlass.range_constexpr(self.chunks):
+                        src = w_base + row * w_stride + (
+                            kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
+                        copy_bytes(copy_16, 16, src,
+                                   self.copy_slot(stage, mat, half, c, lane))
 
     def copy_slot(self, stage, mat, half, chunk, lane):
-        """Where lane 4g + t's copy ``chunk`` of row g + 8 ``half`` of ``mat`` goes: the slot
-        of the lane that converts that unit (``warp_copy_reader``; FP8: the unit's place in
-        its swizzled row, ``fp8_row_slot``)."""
+        """Where lane 4g + t's copy ``chunk`` of row g + 8 ``half`` of ``mat`` goes (FP4,
+        BF16): the slot of the lane that converts that unit (``warp_copy_reader``)."""
         g, t = lane // 4, lane % 4
-        if const_expr(self.weight_format == "fp8"):
-            return self.fp8_row_slot(stage, mat, half, g, warp_copy_unit(t, chunk))
         reader, reader_chunk = warp_copy_reader(warp_copy_unit(t, chunk), self.chunks)
         return self.weight_slot(stage, mat, half, reader_chunk, 4 * g + reader)
 
@@ -369,15 +377,14 @@ class GroupedGemmMmaSyncSm90:
         of the row (``fp8_row_slot``)."""
         if const_expr(self.weight_format == "fp8"):
             g, t = lane // 4, lane % 4
-            return self.fp8_row_slot(stage, mat, half, g, t * self.chunks + chunk)
+            return self.fp8_row_slot(stage, mat, g + 8 * half, t * self.chunks + chunk)
         return stage + (((mat * 2 + half) * self.chunks + chunk) * 32 + lane) * 16
 
-    def fp8_row_slot(self, stage, mat, half, g, unit):
-        """FP8: the warp's rows of a stage row-major (128 bytes each), the units of odd rows
-        swizzled (``mma_sync_fp8_unit``) so that neither the copies nor the reads of a
-        quarter-warp share a bank group."""
-        row = (mat * 2 + half) * 8 + g
-        return stage + row * self.row_bytes + mma_sync_fp8_unit(g, unit) * 16
+    def fp8_row_slot(self, stage, mat, row, unit):
+        """FP8: 16-byte ``unit`` of warp row ``row`` (0-15) of ``mat`` in a stage: rows of
+        128 bytes, row-major, units swizzled (``mma_sync_fp8_unit``)."""
+        return (stage + (mat * WARP_ROWS + row) * self.row_bytes
+                + mma_sync_fp8_unit(row, unit) * 16)
 
     @cute.jit
     def issue_scales(self, mSa: cute.Tensor, mSb: cute.Tensor, n_out: Int32, expert: Int32,

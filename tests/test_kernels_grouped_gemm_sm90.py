@@ -330,10 +330,11 @@ def test_mma_fp8_stage_swizzle_is_a_conflict_free_permutation(kind):
                     assert len({a // 8 % 16 for a in addr}) == 16
 
 
-@pytest.mark.parametrize("fmt", support.WEIGHT_FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in support.WEIGHT_FORMATS if f != "fp8"])
 def test_warp_weight_copies_read_whole_sectors_and_reach_their_reader(fmt):
-    """Each copy instruction of a warp kernel (one chunk of one row half) reads whole 32-byte
-    sectors of its 8 rows; a row's chunks cover its K block once; and in "mma_sync" each
+    """FP4 and BF16 weights (FP8 rows are copied whole, ``fp8_row_copy``): each copy
+    instruction of a warp kernel (one chunk of one row half) reads whole 32-byte sectors of
+    its 8 rows; a row's chunks cover its K block once; and in "mma_sync" each
     copied unit lands in the slot of the lane that converts it (``warp_lane_weight_byte``)."""
     row_bytes = support.ROW_BYTES[fmt]
     chunks = row_bytes // 4 // 16
@@ -349,23 +350,31 @@ def test_warp_weight_copies_read_whole_sectors_and_reach_their_reader(fmt):
         assert support.warp_lane_weight_byte(t, kb, fmt) + 16 * chunk == kb * row_bytes + 16 * unit
 
 
-def test_mma_sync_fp8_stage_rows_are_free_of_bank_conflicts():
-    """"mma_sync", FP8 weights: each quarter-warp's copies (units ``warp_copy_unit(t, c)`` of
-    rows g) and reads (units 2 t + c, the lane's own bytes) fall in 8 distinct 16-byte bank
-    groups, and every unit is read from where it was copied."""
-    chunks = support.ROW_BYTES["fp8"] // 4 // 16
-
-    def slot(g, unit):                      # 16-byte slot in the warp's row-major stage
-        return 8 * g + support.mma_sync_fp8_unit(g, unit)
-
-    for c in range(chunks):
+def test_fp8_row_copies_read_whole_lines_and_fill_the_stage_without_conflicts():
+    """FP8 weights in the warp kernels: each copy instruction reads 4 whole 128-byte rows
+    (``fp8_row_copy``), the 4 instructions cover the warp's 16 rows once, each quarter-warp
+    writes one row's 8 distinct bank groups; and in "mma_sync" the reads of a quarter-warp
+    (lane 4g + t, unit 2 t + c of rows g and g + 8) hit 8 distinct bank groups."""
+    copied = []
+    for i in range(4):
+        pairs = [support.fp8_row_copy(lane, i) for lane in range(32)]
+        assert sorted({r for r, _ in pairs}) == list(range(4 * i, 4 * i + 4))
+        copied += pairs
         for quarter in range(4):
-            lanes = range(8 * quarter, 8 * quarter + 8)
-            copies = {slot(l // 4, support.warp_copy_unit(l % 4, c)) % 8 for l in lanes}
-            reads = {slot(l // 4, chunks * (l % 4) + c) % 8 for l in lanes}
-            assert len(copies) == 8 and len(reads) == 8, (c, quarter, copies, reads)
-    for g in range(8):
-        assert sorted(support.mma_sync_fp8_unit(g, u) for u in range(8)) == list(range(8))
+            rows = {pairs[lane][0] for lane in range(8 * quarter, 8 * quarter + 8)}
+            units = {support.mma_sync_fp8_unit(*pairs[lane]) for lane in
+                     range(8 * quarter, 8 * quarter + 8)}
+            assert len(rows) == 1 and units == set(range(8))
+    assert sorted(copied) == [(r, u) for r in range(16) for u in range(8)]
+    for half in range(2):
+        for c in range(2):
+            for quarter in range(4):
+                lanes = range(8 * quarter, 8 * quarter + 8)
+                banks = {support.mma_sync_fp8_unit(l // 4 + 8 * half, 2 * (l % 4) + c)
+                         for l in lanes}
+                assert len(banks) == 8, (half, c, quarter, banks)
+    for row in range(16):
+        assert sorted(support.mma_sync_fp8_unit(row, u) for u in range(8)) == list(range(8))
 
 
 def _mma_m16n8k32(a, b):
@@ -414,13 +423,15 @@ def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
         stage = np.zeros((16, row_bytes), np.uint8)              # the warp's rows, swizzled
         for lane in range(32):
             g, t = divmod(lane, 4)
-            for half in range(2):
-                q = g + 8 * half
-                for c in range(chunks):
-                    copied = support.warp_copy_unit(t, c)
-                    start = kb * row_bytes + 16 * copied
-                    unit = support.fp8_warp_unit(fmt, q, copied)
-                    stage[q, 16 * unit:16 * unit + 16] = raw[q, start:start + 16]
+            if fmt == "fp8":                  # whole rows per copy instruction
+                copies = [support.fp8_row_copy(lane, i) for i in range(4)]
+            else:
+                copies = [(g + 8 * half, support.warp_copy_unit(t, c))
+                          for half in range(2) for c in range(chunks)]
+            for q, copied in copies:
+                start = kb * row_bytes + 16 * copied
+                unit = support.fp8_warp_unit(fmt, q, copied)
+                stage[q, 16 * unit:16 * unit + 16] = raw[q, start:start + 16]
         tokens = np.zeros((8, 128), np.uint8)
         for tidx in range(64):
             r, unit = divmod(tidx, 8)
