@@ -20,6 +20,8 @@
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh gemm_ncu wq_b 1
 #       (Nsight Compute of one decode GEMM launch of decode_gemms.py, the model's config)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh op_ncu REGEX CMD...
+#       (Nsight Compute of the fifth launch of a kernel matching REGEX in CMD)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh prefill_ncu wgmma_fp8_coop 4096
 #       (Nsight Compute of the gated launch of moe_kernel_ablation.py at T tokens under one
 #        prefill algorithm, as shipped: its first launch)
@@ -153,6 +155,19 @@ if [[ $what == gemm_ncu ]]; then
     -f -o "$OUT/gemm_${gemm}_$tokens" python3 benchmarks/decode_gemms.py --gemms "$gemm" \
     --tokens "$tokens" --ncu >"$OUT/ncu_run_gemm.log" 2>&1 || tail -20 "$OUT/ncu_run_gemm.log"
   ncu_report "gemm_${gemm}_$tokens"
+fi
+if [[ $what == op_ncu ]]; then
+  # Nsight Compute of the fifth launch of a kernel whose name matches $1 in the command
+  # that follows, e.g. op_ncu HcPreSm90 python3 benchmarks/bench_hc_pre.py --dims flash
+  # --tokens 1 --impls cute --runs 8
+  regex=${1:-HcPreSm90}; shift
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-200} "$ncu" \
+    --clock-control none --replay-mode kernel \
+    --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters \
+    --section LaunchStats -k "regex:$regex" --launch-skip 4 --launch-count 1 \
+    -f -o "$OUT/op_$regex" "$@" >"$OUT/ncu_run_op.log" 2>&1 || tail -20 "$OUT/ncu_run_op.log"
+  ncu_report "op_$regex"
 fi
 if [[ $what == prefill_ncu ]]; then
   alg=${1:-wgmma_fp8_coop}; tokens=${2:-4096}
