@@ -52,8 +52,8 @@ from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
-from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, KERNELS, MAX_SPLIT_K, SMEM_BYTES,
-                                                  stream_batch_blocks, warp_scale_group)
+from dsv4_jax.kernels.grouped_gemm_config import KERNELS, MAX_SPLIT_K, SMEM_BYTES
+from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, stream_batch_blocks, warp_scale_group
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, back_to_back_seconds, median_seconds
 

@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.kernels.grouped_gemm_config import (BLOCK_K, FP8_CODE_ALGORITHMS,
-                                                  WEIGHT_FORMATS, GroupedGemmSm90Config,
-                                                  choose_config, num_tile_slots,
-                                                  warp_scale_group)
+from dsv4_jax.kernels.grouped_gemm_config import (FP8_CODE_ALGORITHMS, WEIGHT_FORMATS,
+                                                  GroupedGemmSm90Config, choose_config,
+                                                  num_tile_slots)
+from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, warp_scale_group
 from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",

@@ -46,7 +46,7 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     ``tile_group`` / ``tile_row0`` / ``tile_rows``: the schedule's tile slots. ``w_a``,
     ``s_a`` (and ``w_b``, ``s_b`` when ``gated``): weight bytes and E8M0 scale bytes.
     ``route_w``: the rows' routing weights (gated). ``scale_group``: the warp kernels'
-    ``grouped_gemm_config.warp_scale_group`` of the input features. ``out``: bf16
+    ``grouped_gemm_layout.warp_scale_group`` of the input features. ``out``: bf16
     [rows, N] (a K split adds its sums in the kernel: one cluster per tile). ``paired``
     (the warp kernels, ungated): ``w_b``, ``s_b`` are a second weight of the same rows and
     format, whose outputs follow ``w_a``'s: ``out`` is [rows, N_a + N_b]. ``token_stride``

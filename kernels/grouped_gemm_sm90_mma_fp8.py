@@ -19,8 +19,8 @@ scale per token and K block of 128, bit for bit ``quant.act_quant`` -- and the w
 Dataflow per K block (CTA = 4 warps x 16 weight rows of one expert, one tile of <= 8 token
 rows; ``num_stages``-deep cp.async ring, one CTA barrier per K block, as "mma_sync"):
 weights (FP4: lane 4g + t unit t of rows g, g + 8 of each matrix; FP8: whole 128-byte
-rows, 4 per copy instruction, ``grouped_gemm_config.fp8_row_copy``) into row-major,
-swizzled rows of its warp's stage (``grouped_gemm_config.fp8_warp_unit``);
+rows, 4 per copy instruction, ``grouped_gemm_layout.fp8_row_copy``) into row-major,
+swizzled rows of its warp's stage (``grouped_gemm_layout.fp8_warp_unit``);
 weight scales every ``scale_group`` K blocks into the warp's buffers. Tokens, in
 ``config.token_stages`` = S stages of codes + scales (a half warp quantises one row of one
 K block: its largest |x| by shuffles, 8 columns per thread): before the loop the first S - 1
@@ -48,9 +48,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .grouped_gemm_config import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, ROW_BYTES,
-                       WARP_COUNT, WARP_ROWS, WARP_TOKENS, GroupedGemmSm90Config,
-                       fp8_warp_smem_bytes, fp8_warp_unit, warp_copy_unit)
+from .grouped_gemm_config import GroupedGemmSm90Config
+from .grouped_gemm_layout import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, WARP_COUNT, WARP_ROWS,
+                                  WARP_TOKENS, fp8_warp_smem_bytes, fp8_warp_unit,
+                                  warp_copy_unit)
 from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_to_e4m3x8,
                                byte_perm, e8m0_f32, fp4x8_to_e4m3x8, load_global_words,
                                mma_m16n8k32_e4m3)

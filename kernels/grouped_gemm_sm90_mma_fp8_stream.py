@@ -42,9 +42,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .grouped_gemm_config import (BLOCK_K, STREAM_CHUNK_BLOCKS, STREAM_KBLOCK_BYTES,
-                                  WARP_TOKENS, GroupedGemmSm90Config, stream_batch_blocks,
-                                  stream_token_unit)
+from .grouped_gemm_config import GroupedGemmSm90Config
+from .grouped_gemm_layout import (BLOCK_K, STREAM_CHUNK_BLOCKS, STREAM_KBLOCK_BYTES,
+                                  WARP_TOKENS, stream_batch_blocks, stream_token_unit)
 from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, cp_async_atom, fp4x8_to_e4m3x8,
                                         load_global_words)
 from .grouped_gemm_sm90_mma_fp8 import GroupedGemmMmaFp8Sm90, _load_f32x2, _load_words2

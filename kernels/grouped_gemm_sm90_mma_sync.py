@@ -27,7 +27,7 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
      block orders copies and reads;
    - tokens: the CTA's 128 threads copy the tile's 8 token rows x 128 columns once, one
      16-byte unit each, into a stage shared by the warps, XOR-swizzled
-     (``grouped_gemm_config.warp_token_unit``; rows past the tile's count read the tile's first row,
+     (``grouped_gemm_layout.warp_token_unit``; rows past the tile's count read the tile's first row,
      never stored);
    - scales: every ``warp_scale_group`` K blocks, lane q of a warp copies the FP4 scale bytes
      of its row q (16 rows per matrix) for those K blocks into the warp's scale buffers
@@ -38,7 +38,7 @@ grid = (output features / 64, tile slots), like the WGMMA kernel), a ``num_stage
    steps the lane converts 8 codes per row to bf16 (FP4 by byte-permute lookup, FP8 by the
    shift trick, both exact, times the E8M0 scale) and issues 2 ``mma.sync.m16n8k16`` per
    matrix with f32 accumulators. The K order inside the block is permuted identically for
-   weights and tokens (``grouped_gemm_config.warp_lane_columns``), so the product is unchanged.
+   weights and tokens (``grouped_gemm_layout.warp_lane_columns``), so the product is unchanged.
 3. Epilogue from the accumulator fragments: rows g, g + 8 (output features), tokens
    2t, 2t + 1; SwiGLU x routing weight when gated; rows past the tile's count not written.
 
@@ -61,12 +61,12 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from .grouped_gemm_config import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
-                       WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
-                       GroupedGemmSm90Config, fp8_row_copy, mma_sync_fp8_unit,
-                       split_k_blocks, warp_lane_columns, warp_copy_reader, warp_copy_unit,
-                       warp_scale_buffers, warp_smem_bytes,
-                       warp_token_unit, warp_weight_slots)
+from .grouped_gemm_config import GroupedGemmSm90Config, split_k_blocks
+from .grouped_gemm_layout import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
+                                  WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
+                                  fp8_row_copy, mma_sync_fp8_unit, warp_copy_reader,
+                                  warp_copy_unit, warp_scale_buffers, warp_smem_bytes,
+                                  warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
 from .sm90_primitives import launch, load_cluster_f32x4, store_shared_f32x4

@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .grouped_gemm_config import BLOCK_K, WARP_TOKENS, rs_token_offset
+from .grouped_gemm_layout import BLOCK_K, WARP_TOKENS, rs_token_offset
 from .grouped_gemm_sm90_convert import byte_perm, e8m0_f32, fence_f32
 from .grouped_gemm_sm90_mma_fp8 import GroupedGemmMmaFp8Sm90, _store_words2
 from .grouped_gemm_sm90_mma_sync import STEPS

@@ -11,6 +11,7 @@ import pytest
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from dsv4_jax.kernels import grouped_gemm_config as support
+from dsv4_jax.kernels import grouped_gemm_layout as layout
 from dsv4_jax.kernels import grouped_gemm_sm90_launch as kernel
 
 
@@ -53,7 +54,7 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         weight_format=fmt, gated=gated, swiglu_limit=10.0,
                         block_n=config.block_n, num_stages=config.num_stages,
                         algorithm=config.algorithm, ablation=config.ablation,
-                        scale_group=support.warp_scale_group(fmt, k // support.BLOCK_K),
+                        scale_group=layout.warp_scale_group(fmt, k // support.BLOCK_K),
                         split_k=config.split_k, token_stages=config.token_stages,
                         **({"pdl": config.pdl} if config.pdl else {}))
 

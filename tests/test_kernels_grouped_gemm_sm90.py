@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from dsv4_jax import quant
 from dsv4_jax.ffi import grouped_gemm_sm90 as gemm
 from dsv4_jax.kernels import grouped_gemm_config as support
+from dsv4_jax.kernels import grouped_gemm_layout as layout
 
 pytest.importorskip("cutlass")
 from grouped_gemm_compile import compile_variant as _compile, prmt as _prmt  # noqa: E402
@@ -162,7 +163,7 @@ def _staged_values(fmt, row_bytes_fn, scale_fn, lane, kb):
     """The 4 x 8 weight values one lane converts for K block ``kb`` of one row, in the
     converters' output order (c0..c7 per step), from the bytes it stages."""
     t = lane % 4
-    start = support.warp_lane_weight_byte(t, kb, fmt)
+    start = layout.warp_lane_weight_byte(t, kb, fmt)
     raw = row_bytes_fn()[start:start + support.ROW_BYTES[fmt] // 4]
     if fmt == "fp4":
         codes = np.stack([raw & 0xF, raw >> 4], axis=1).reshape(-1)     # low nibble first
@@ -212,12 +213,12 @@ def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
         for tidx in range(128):
             r, unit = divmod(tidx, 16)
             c0 = kb * support.BLOCK_K + 8 * unit
-            stage[r, support.warp_token_unit(r, unit)] = x[r, c0:c0 + 8]
+            stage[r, layout.warp_token_unit(r, unit)] = x[r, c0:c0 + 8]
         rows = {lane: [_staged_values(fmt, lambda r=lane // 4 + 8 * half: row_bytes(r),
                                       scale_of(lane // 4 + 8 * half), lane, kb)
                        for half in range(2)] for lane in range(32)}
         for step in range(4):
-            cols = {lane: support.warp_lane_columns(lane % 4, kb, step) for lane in range(32)}
+            cols = {lane: layout.warp_lane_columns(lane % 4, kb, step) for lane in range(32)}
             for h in range(2):
                 a, b = [], []
                 for lane in range(32):
@@ -228,7 +229,7 @@ def test_mma_sync_lane_mapping_reproduces_the_gemm(fmt):
                     # kernel: b = (x[2h], x[2h+1]) of the 4 words (8 bf16) it reads for
                     # the step: unit 4t + step of token row g, which must hold its columns
                     g, t = divmod(lane, 4)
-                    xs = stage[g, support.warp_token_unit(g, 4 * t + step)]
+                    xs = stage[g, layout.warp_token_unit(g, 4 * t + step)]
                     np.testing.assert_array_equal(xs, x[g, cols[lane]:cols[lane] + 8])
                     b.append(list(xs[4 * h:4 * h + 4]))
                 acc = _mma_m16n8k16(a, b, acc)
@@ -247,11 +248,11 @@ def test_mma_sync_token_swizzle_is_a_conflict_free_permutation():
     groups (shared memory serves 128 bytes per wavefront)."""
     rows = range(support.WARP_TOKENS)
     for r in rows:
-        assert sorted(support.warp_token_unit(r, u) for u in range(16)) == list(range(16))
+        assert sorted(layout.warp_token_unit(r, u) for u in range(16)) == list(range(16))
     for step in range(4):
         for quarter in range(4):
             lanes = range(8 * quarter, 8 * quarter + 8)
-            addresses = [(lane // 4) * 256 + 16 * support.warp_token_unit(
+            addresses = [(lane // 4) * 256 + 16 * layout.warp_token_unit(
                 lane // 4, 4 * (lane % 4) + step) for lane in lanes]
             assert len({a // 16 % 8 for a in addresses}) == 8, (step, quarter, addresses)
 
@@ -265,9 +266,9 @@ def test_mma_sync_scale_buffers_outlive_their_k_blocks(num_stages, num_k):
     for fmt in ("fp4", "fp8"):
         if fmt == "fp8" and num_k % 4:
             continue
-        group = support.warp_scale_group(fmt, num_k)
-        buffers = support.warp_scale_buffers(num_stages, group)
-        assert num_k % group == 0 and buffers <= support.warp_scale_buffers(num_stages)
+        group = layout.warp_scale_group(fmt, num_k)
+        buffers = layout.warp_scale_buffers(num_stages, group)
+        assert num_k % group == 0 and buffers <= layout.warp_scale_buffers(num_stages)
         holder = {}                                # buffer -> group copied into it
 
         def issue(block, computed_until):          # K blocks < computed_until are done
@@ -313,18 +314,18 @@ def test_mma_fp8_stage_swizzle_is_a_conflict_free_permutation(kind):
     banks per wavefront (32 lanes of 4 bytes, or 16 lanes of 8 bytes)."""
     units, row_bytes = (4, 64) if kind == "fp4" else (8, 128)
     for row in range(16):
-        assert sorted(support.fp8_warp_unit(kind, row, u) for u in range(units)) == list(
+        assert sorted(layout.fp8_warp_unit(kind, row, u) for u in range(units)) == list(
             range(units))
     for step in range(4):
         for row_add in (0, 8):
             if kind == "fp4":
-                addr = [(l // 4 + row_add) * row_bytes + 16 * support.fp8_warp_unit(
+                addr = [(l // 4 + row_add) * row_bytes + 16 * layout.fp8_warp_unit(
                     kind, l // 4 + row_add, step) + 4 * (l % 4) for l in range(32)]
                 assert len({a // 4 % 32 for a in addr}) == 32
             else:
                 for half_warp in range(2):
                     lanes = range(16 * half_warp, 16 * half_warp + 16)
-                    addr = [(l // 4 + row_add) * row_bytes + 16 * support.fp8_warp_unit(
+                    addr = [(l // 4 + row_add) * row_bytes + 16 * layout.fp8_warp_unit(
                         kind, l // 4 + row_add, 2 * step + (l % 4) // 2) + 8 * (l % 2)
                         for l in lanes]
                     assert len({a // 8 % 16 for a in addr}) == 16
@@ -340,14 +341,14 @@ def test_warp_weight_copies_read_whole_sectors_and_reach_their_reader(fmt):
     chunks = row_bytes // 4 // 16
     covered = []
     for c in range(chunks):
-        units = {support.warp_copy_unit(t, c) for t in range(4)}
+        units = {layout.warp_copy_unit(t, c) for t in range(4)}
         assert all(u ^ 1 in units for u in units), (fmt, c, units)   # sector = 2 units
         covered += sorted(units)
     assert sorted(covered) == list(range(row_bytes // 16))
     kb = 3
     for unit in covered:
-        t, chunk = support.warp_copy_reader(unit, chunks)
-        assert support.warp_lane_weight_byte(t, kb, fmt) + 16 * chunk == kb * row_bytes + 16 * unit
+        t, chunk = layout.warp_copy_reader(unit, chunks)
+        assert layout.warp_lane_weight_byte(t, kb, fmt) + 16 * chunk == kb * row_bytes + 16 * unit
 
 
 def test_fp8_row_copies_read_whole_lines_and_fill_the_stage_without_conflicts():
@@ -357,12 +358,12 @@ def test_fp8_row_copies_read_whole_lines_and_fill_the_stage_without_conflicts():
     (lane 4g + t, unit 2 t + c of rows g and g + 8) hit 8 distinct bank groups."""
     copied = []
     for i in range(4):
-        pairs = [support.fp8_row_copy(lane, i) for lane in range(32)]
+        pairs = [layout.fp8_row_copy(lane, i) for lane in range(32)]
         assert sorted({r for r, _ in pairs}) == list(range(4 * i, 4 * i + 4))
         copied += pairs
         for quarter in range(4):
             rows = {pairs[lane][0] for lane in range(8 * quarter, 8 * quarter + 8)}
-            units = {support.mma_sync_fp8_unit(*pairs[lane]) for lane in
+            units = {layout.mma_sync_fp8_unit(*pairs[lane]) for lane in
                      range(8 * quarter, 8 * quarter + 8)}
             assert len(rows) == 1 and units == set(range(8))
     assert sorted(copied) == [(r, u) for r in range(16) for u in range(8)]
@@ -370,11 +371,11 @@ def test_fp8_row_copies_read_whole_lines_and_fill_the_stage_without_conflicts():
         for c in range(2):
             for quarter in range(4):
                 lanes = range(8 * quarter, 8 * quarter + 8)
-                banks = {support.mma_sync_fp8_unit(l // 4 + 8 * half, 2 * (l % 4) + c)
+                banks = {layout.mma_sync_fp8_unit(l // 4 + 8 * half, 2 * (l % 4) + c)
                          for l in lanes}
                 assert len(banks) == 8, (half, c, quarter, banks)
     for row in range(16):
-        assert sorted(support.mma_sync_fp8_unit(row, u) for u in range(8)) == list(range(8))
+        assert sorted(layout.mma_sync_fp8_unit(row, u) for u in range(8)) == list(range(8))
 
 
 def _mma_m16n8k32(a, b):
@@ -424,25 +425,25 @@ def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
         for lane in range(32):
             g, t = divmod(lane, 4)
             if fmt == "fp8":                  # whole rows per copy instruction
-                copies = [support.fp8_row_copy(lane, i) for i in range(4)]
+                copies = [layout.fp8_row_copy(lane, i) for i in range(4)]
             else:
-                copies = [(g + 8 * half, support.warp_copy_unit(t, c))
+                copies = [(g + 8 * half, layout.warp_copy_unit(t, c))
                           for half in range(2) for c in range(chunks)]
             for q, copied in copies:
                 start = kb * row_bytes + 16 * copied
-                unit = support.fp8_warp_unit(fmt, q, copied)
+                unit = layout.fp8_warp_unit(fmt, q, copied)
                 stage[q, 16 * unit:16 * unit + 16] = raw[q, start:start + 16]
         tokens = np.zeros((8, 128), np.uint8)
         for tidx in range(64):
             r, unit = divmod(tidx, 8)
-            u = support.fp8_warp_unit("tokens", r, unit)
+            u = layout.fp8_warp_unit("tokens", r, unit)
             tokens[r, 16 * u:16 * u + 16] = x_codes[r, kb * 128 + 16 * unit:][:16]
         block = np.zeros((16, 8))
         for step in range(4):
             a, b, sw = [], [], np.zeros(16)
             for lane in range(32):
                 g, t = divmod(lane, 4)
-                u = support.fp8_warp_unit("tokens", g, 2 * step + t // 2)
+                u = layout.fp8_warp_unit("tokens", g, 2 * step + t // 2)
                 xb = tokens[g, 16 * u + 8 * (t % 2):][:8]
                 if fmt == "fp4":                          # prmt 0x6420 / 0x7531
                     b.append([xb[0::2], xb[1::2]])
@@ -452,13 +453,13 @@ def test_mma_fp8_lane_mapping_reproduces_the_gemm(fmt):
                 for half in range(2):
                     q = g + 8 * half
                     if fmt == "fp4":
-                        off = 16 * support.fp8_warp_unit("fp4", q, step) + 4 * t
+                        off = 16 * layout.fp8_warp_unit("fp4", q, step) + 4 * t
                         word = int(np.frombuffer(stage[q, off:off + 4].tobytes(), np.uint32)[0])
                         rows.append([np.frombuffer(np.uint32(v).tobytes(), np.uint8)
                                      for v in _fp4x8_to_e4m3x8(word)])
                         sw[q] = scales[q, kb * 4 + step]
                     else:
-                        off = 16 * support.fp8_warp_unit("fp8", q, 2 * step + t // 2) + 8 * (t % 2)
+                        off = 16 * layout.fp8_warp_unit("fp8", q, 2 * step + t // 2) + 8 * (t % 2)
                         rows.append([stage[q, off:off + 4], stage[q, off + 4:off + 8]])
                 a.append([rows[0][0], rows[1][0], rows[0][1], rows[1][1]])
             as_val = lambda v: _e4m3_bytes(np.frombuffer(np.asarray(v, np.uint8).tobytes(),  # noqa
@@ -563,7 +564,7 @@ def test_grouped_gemm_takes_fp8_codes_exactly_where_the_kernel_reads_them():
 def test_mma_sync_short_fp4_scale_rows_use_aligned_small_copies(k, group):
     """FP4 scale rows of 4 * K/128 bytes that 16-byte copies would misalign: the scales of
     1 or 2 K blocks per copy (4 or 8 bytes through L1), everything else still 16 bytes."""
-    assert support.warp_scale_group("fp4", k // support.BLOCK_K) == group
+    assert layout.warp_scale_group("fp4", k // support.BLOCK_K) == group
     ptx = _compile("fp4", False, MMA_SYNC["fp4"], k=k).artifacts.PTX
     sizes = re.findall(r"cp\.async\.ca\.shared\.global \[[^]]+\], \[[^]]+\], (\d+)", ptx)
     assert sizes and set(sizes) == {str(4 * group)}, sizes

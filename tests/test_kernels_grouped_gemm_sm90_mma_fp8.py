@@ -9,6 +9,7 @@ import re
 import pytest
 
 from dsv4_jax.kernels import grouped_gemm_config as support
+from dsv4_jax.kernels import grouped_gemm_layout as layout
 
 pytest.importorskip("cutlass")
 from grouped_gemm_compile import compile_variant as _compile  # noqa: E402
@@ -48,7 +49,7 @@ def test_few_tile_decode_launches_quantise_their_tokens_ahead():
     assert few.token_stages == support.FEW_TILES_TOKEN_STAGES == support.MAX_TOKEN_STAGES
     assert many.algorithm == "mma_fp8" and many.token_stages == 2
     assert few.smem_bytes("fp8", True) - dataclasses.replace(few, token_stages=2).smem_bytes(
-        "fp8", True) == 6 * support.FP8_TOKEN_STAGE_BYTES
+        "fp8", True) == 6 * layout.FP8_TOKEN_STAGE_BYTES
     for bad in (dict(token_stages=9), dict(token_stages=1),
                 dict(algorithm="mma_sync", token_stages=4)):
         with pytest.raises(ValueError, match="token_stages"):

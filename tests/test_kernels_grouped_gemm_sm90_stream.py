@@ -14,6 +14,7 @@ from dsv4_jax.ffi import cases, grouped_gemm_reference
 from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, launch_support, resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
+from dsv4_jax.kernels import grouped_gemm_layout as layout
 
 LIMIT = 10.0
 STREAM = GroupedGemmPolicy(decode_algorithm="mma_fp8_stream")
@@ -24,11 +25,11 @@ def test_token_units_are_a_conflict_free_permutation():
     unit 2 step + t/2 of row g, bytes 8 (t % 2)) hit 16 distinct 8-byte bank pairs in each
     half warp."""
     for row in range(8):
-        assert sorted(support.stream_token_unit(row, u) for u in range(8)) == list(range(8))
+        assert sorted(layout.stream_token_unit(row, u) for u in range(8)) == list(range(8))
     for step in range(4):
         for half_warp in range(2):
             lanes = range(16 * half_warp, 16 * half_warp + 16)
-            addr = [(l // 4) * support.BLOCK_K + 16 * support.stream_token_unit(
+            addr = [(l // 4) * support.BLOCK_K + 16 * layout.stream_token_unit(
                 l // 4, 2 * step + (l % 4) // 2) + 8 * (l % 2) for l in lanes]
             assert len({a // 8 % 16 for a in addr}) == 16
 
@@ -36,11 +37,11 @@ def test_token_units_are_a_conflict_free_permutation():
 @pytest.mark.parametrize("fmt, gated, want", [("fp8", False, 4), ("fp8", True, 2),
                                               ("fp4", False, 6), ("fp4", True, 4)])
 def test_batches_fit_the_register_budget(fmt, gated, want):
-    batch = support.stream_batch_blocks(fmt, gated, 6)
+    batch = layout.stream_batch_blocks(fmt, gated, 6)
     assert batch == want
     per_block = (2 if gated else 1) * (16 if fmt == "fp8" else 8)
-    assert batch * per_block <= support.STREAM_LANE_WORDS
-    assert support.stream_batch_blocks(fmt, gated, 1) == 1
+    assert batch * per_block <= layout.STREAM_LANE_WORDS
+    assert layout.stream_batch_blocks(fmt, gated, 1) == 1
 
 
 @pytest.mark.parametrize("fmt, gated, k, split", [("fp8", False, 1024, 1), ("fp8", True, 512, 2),
@@ -55,7 +56,7 @@ def test_compiles_for_sm90a(fmt, gated, k, split):
     compiled = compile_variant(fmt, gated, config, k=k)
     ptx = compiled.artifacts.PTX
     mats = 2 if gated else 1
-    batch = support.stream_batch_blocks(fmt, gated, config.num_stages)
+    batch = layout.stream_batch_blocks(fmt, gated, config.num_stages)
     mma = re.findall(r"mma\.sync\.aligned\.m16n8k32\.row\.col\.f32\.e4m3\.e4m3\.f32", ptx)
     assert len(mma) == 4 * mats * batch
     # Per K block of the batch: 8 weight loads per matrix, and its scale words.

@@ -14,6 +14,7 @@ from dsv4_jax.ffi import cases, grouped_gemm_reference
 from dsv4_jax.ffi.grouped_gemm_sm90 import grouped_gemm_cute, launch_support, resolve_config
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
+from dsv4_jax.kernels import grouped_gemm_layout as layout
 from test_kernels_grouped_gemm_sm90_stream import GPU_CASES, quantisation_edge_rows, case_inputs
 
 LIMIT = 10.0
@@ -43,8 +44,8 @@ def test_token_operand_k_order_matches_the_weight_registers(fmt):
     for row in range(support.WARP_TOKENS):
         for unit in range(16):
             for second in range(2):
-                base = support.rs_token_offset(row, unit, second)
-                for byte, k in enumerate(support.rs_token_columns(unit, second, fmt)):
+                base = layout.rs_token_offset(row, unit, second)
+                for byte, k in enumerate(layout.rs_token_columns(unit, second, fmt)):
                     assert base + byte not in where
                     where[base + byte] = (row, k)
     assert sorted(where) == list(range(support.WARP_TOKENS * support.BLOCK_K))
