@@ -39,11 +39,11 @@ def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
     """``(flatten(X) @ fn.T) * rsqrt(mean(flatten(X)^2) + eps)`` in f32: ``[..., rows(fn)]``.
 
     BF16 streams on a GPU, at least ``BF16_X6_MIN_ROWS`` rows: the product is XLA's
-    BF16_BF16_F32_X6 dot. A bf16 X is its own
-    bf16 split, so of the six bf16 products it sums the three that do not vanish are X
-    times each of fn's three parts: every product is exact in f32 and the mixes are the f32 product's up to the
-    summation order -- without the f32 copy of the streams and the f32 GEMM that the
-    prefill's chain spent its time in (docs/performance.md). Elsewhere: the f32 GEMM."""
+    BF16_BF16_F32_X6 dot. A bf16 X is its own bf16 split, so of the six bf16 products the
+    dot sums, the three that do not vanish are X times each of fn's three parts: every
+    product is exact in f32, and the mixes are the f32 product's up to the summation order,
+    without the f32 copy of the streams and the f32 GEMM that the prefill's chain spent its
+    time in (docs/performance.md). Elsewhere: the f32 GEMM."""
     xf = x.reshape(*x.shape[:-2], -1).astype(jnp.float32)
     rsqrt = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + norm_eps)
     fn = fn.astype(jnp.float32)
