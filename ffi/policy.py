@@ -121,17 +121,11 @@ class KernelPolicy:
     sparse_attention: the attention kernel's ``SparseAttentionSm90Config`` (None: its default,
       ``qk_split`` decided per launch). Pinning ``qk_split`` makes launches over a BF16 and an
       FP8 compressed table schedule alike, so their outputs compare bit for bit.
-    lazy_compression: a one-token step (decode) pools the compressors' entries only when some
-      row completes a block -- every ``ratio`` steps of a row -- in a ``lax.cond`` (on GPUs a
-      conditional node of the step's CUDA graph under dsv4_jax's XLA flags, which record
-      ``CONDITIONAL``; without them XLA waits for the predicate on the host). Same outputs
-      either way: the entries of other steps are never committed. False: every step pools.
     """
     implementation: str | None = None
     ops: tuple[tuple[str, str], ...] = ()
     grouped_gemm: GroupedGemmPolicy = GroupedGemmPolicy()
     sparse_attention: SparseAttentionSm90Config | None = None
-    lazy_compression: bool = True
 
     def __post_init__(self):
         if self.implementation not in (None, REFERENCE, KERNEL):
@@ -144,9 +138,6 @@ class KernelPolicy:
         if not isinstance(self.sparse_attention, (SparseAttentionSm90Config, type(None))):
             raise TypeError(f"KernelPolicy: sparse_attention must be a SparseAttentionSm90Config "
                             f"or None, got {type(self.sparse_attention).__name__}")
-        if not isinstance(self.lazy_compression, bool):
-            raise TypeError(f"KernelPolicy: lazy_compression must be a bool, got "
-                            f"{self.lazy_compression!r}")
 
     def implementation_for(self, op: str) -> str | None:
         """The implementation ``op`` runs under this policy (``ops`` first, then the default).

@@ -208,8 +208,7 @@ class Attention(nn.Module):
 
         pending, sel, sel_len, table = LayerPending(kv=kv), None, None, None
         if kind != "swa":
-            pending = pending.replace(compressor=Compressor(
-                cfg, ratio, c, lazy=self.policy.lazy_compression, name="compressor")(
+            pending = pending.replace(compressor=Compressor(cfg, ratio, c, name="compressor")(
                 x, lcache.kv_state, lcache.score_state, lengths, num_new, inv_freq))
             if kind == "csa":
                 sel, ichunk = indexer(x, qr, positions, lcache, lengths, num_new, inv_freq,

@@ -11,8 +11,6 @@ prefill, decode (S = 1) and rows at different lengths are all the same code.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -23,7 +21,7 @@ from dsv4_jax import kv_entry, quant
 from dsv4_jax.ffi import index_topk
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_linear, normal_init,
-                     rms_norm, rope_tail)
+                     rope_tail)
 from .parallel import batch_parallel
 
 
@@ -93,40 +91,12 @@ def commit_compressor(chunk: CompressorChunk, lengths: jax.Array, num_new: jax.A
     return ids, new_kv, new_score
 
 
-def pooled_entries(slots_kv: jax.Array, slots_score: jax.Array, possible: jax.Array,
-                   first_positions: jax.Array, norm_weight: jax.Array, *, cfg: Config,
-                   inv_freq, rotate: bool) -> jax.Array:
-    """The post-processed entries ``[B, Q, hd]`` of a chunk's candidate blocks
-    (``slots_* [B, Q, slots, hd]``): a per-channel softmax of the slots' scores pools their
-    rows (blocks not ``possible [B, Q]`` pool zero scores: finite, never committed); then
-    RMSNorm, RoPE at the block's first position ``first_positions [B, Q]``, and for indexer
-    keys (``rotate``) the Hadamard rotation and FP4 simulation, for main entries the FP8
-    simulation of the no-RoPE dims."""
-    hd = slots_kv.shape[-1]
-    weights = jax.nn.softmax(jnp.where(possible[..., None, None], slots_score, 0.0), axis=2)
-    pooled = jnp.sum(weights * slots_kv, axis=2)                              # [B, Q, hd] f32
-    entry = rms_norm(pooled.astype(act_dtype(cfg)), norm_weight, cfg.norm_eps)
-    entry = rope_tail(entry, first_positions, inv_freq, cfg.rope_head_dim)
-    if rotate:
-        entry = quant.hadamard_rotate(entry)
-        if cfg.quant_simulation:
-            entry = quant.fp4_simulate(entry, 32)
-    elif cfg.quant_simulation:
-        nope = hd - cfg.rope_head_dim
-        entry = jnp.concatenate([quant.fp8_simulate(entry[..., :nope], 64),
-                                 entry[..., nope:]], axis=-1)
-    return entry
-
-
 class Compressor(nn.Module):
-    """Gated pooling of ``ratio`` tokens into one ``head_dim`` entry (CSA: overlapping).
-    ``lazy``: a one-token call pools only when some row can complete a block
-    (``KernelPolicy.lazy_compression``)."""
+    """Gated pooling of ``ratio`` tokens into one ``head_dim`` entry (CSA: overlapping)."""
     cfg: Config
     ratio: int
     head_dim: int
     rotate: bool = False          # indexer keys: Hadamard + FP4; main entries: FP8 (448 dims)
-    lazy: bool = False
 
     @nn.compact
     def __call__(self, x, state_kv, state_score, lengths, num_new, inv_freq) -> CompressorChunk:
@@ -159,19 +129,20 @@ class Compressor(nn.Module):
         # Blocks that cannot complete even with every token kept hold -inf rows: pool them
         # with zero scores instead (never committed) so no NaN is produced.
         possible = (q[None, :] + 1) * m <= (offset + num_new)[:, None]
+        weights = jax.nn.softmax(jnp.where(possible[..., None, None], slots_score, 0.0), axis=2)
+        pooled = jnp.sum(weights * slots_kv, axis=2)                          # [B, Q, hd] f32
+
+        entry = RMSNorm(hd, cfg.norm_eps, name="norm")(pooled.astype(act_dtype(cfg)))
         block_ids = lengths[:, None] // m - (coff - 1) + q[None, :]
-        first_positions = jnp.maximum(block_ids, 0) * m
-        norm_weight = RMSNorm(hd, cfg.norm_eps, name="norm").weight
-        pool = functools.partial(pooled_entries, cfg=cfg, inv_freq=inv_freq, rotate=self.rotate)
-        operands = (slots_kv, slots_score, possible, first_positions, norm_weight)
-        if self.lazy and s == 1:
-            # A decode step completes a block of a row only every m steps: the pooling runs
-            # when some row can complete one (the entries of the others are never committed).
-            empty = jax.eval_shape(pool, *operands)
-            entry = jax.lax.cond(jnp.any(possible), pool,
-                                 lambda *_: jnp.zeros(empty.shape, empty.dtype), *operands)
-        else:
-            entry = pool(*operands)
+        entry = rope_tail(entry, jnp.maximum(block_ids, 0) * m, inv_freq, cfg.rope_head_dim)
+        if self.rotate:
+            entry = quant.hadamard_rotate(entry)
+            if cfg.quant_simulation:
+                entry = quant.fp4_simulate(entry, 32)
+        elif cfg.quant_simulation:
+            nope = hd - cfg.rope_head_dim
+            entry = jnp.concatenate([quant.fp8_simulate(entry[..., :nope], 64),
+                                     entry[..., nope:]], axis=-1)
         return CompressorChunk(entry, e_kv, e_score, m, coff)
 
 
@@ -191,8 +162,7 @@ class Indexer(nn.Module):
         self.wq_b = (FP8Weight(cfg.q_lora_rank, nh * hd) if cfg.quantized else
                      Linear(cfg, cfg.q_lora_rank, nh * hd, "fp8", policy=self.policy,
                             mesh=self.mesh))
-        self.compressor = Compressor(cfg, CSA_RATIO, hd, rotate=True,
-                                     lazy=self.policy.lazy_compression)
+        self.compressor = Compressor(cfg, CSA_RATIO, hd, rotate=True)
         self.weights_proj = Linear(cfg, cfg.dim, nh, "plain")
 
     def query_weight(self):
