@@ -8,14 +8,15 @@
     logits, cache = model.apply({"params": params}, tokens, cache)
 
 Importing the package sets XLA's flags (``_xla_flags``: exact rounding, decode loops in CUDA
-graphs, no per-call weight concatenation) and nothing else: the
+graphs, no per-call weight concatenation, concurrent commands in those graphs) and nothing else: the
 names below import their modules (and JAX) on first use, so the command line's ``--help``
 needs no JAX.
 """
 import importlib
 
 # first: before any backend
-from ._xla_flags import DEVICE_LOOPS, EXACT_ROUNDING, NO_WEIGHT_MERGING  # noqa: F401
+from ._xla_flags import (CONCURRENT_COMMAND_BUFFERS, DEVICE_LOOPS, EXACT_ROUNDING,  # noqa: F401
+                         NO_WEIGHT_MERGING)
 
 # public name -> (module, attribute; None for the module itself)
 _EXPORTS = {

@@ -22,10 +22,18 @@ compressor and indexer projections became a copy of 21 MB of weights per layer a
 (docs/performance.md, "a weight copy XLA made per step"). With the pass off each projection
 reads its own weight.
 
+4. Let a command buffer's independent commands run at once:
+``--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``. XLA records a command buffer's
+commands as a chain by default; in this mode the graph's edges follow the commands' buffer
+conflicts. A decode step is dozens of small launches per layer whose branches (queries,
+window entry, compressor, indexer) do not depend on each other, and each launch costs more
+in latency than in work: in one graph they overlap (docs/performance.md, "Concurrent
+commands"). Outputs are unchanged: the kernels, and so every sum's order, are the same.
+
 The flags must be in ``XLA_FLAGS`` before JAX creates its backends; importing ``dsv4_jax``
 first does that. A flag already in ``XLA_FLAGS`` is left as it is;
 ``DSV4_ALLOW_EXCESS_PRECISION=1`` leaves the first out, ``DSV4_COMMAND_BUFFERS=default`` the
-second, ``DSV4_DOT_MERGER=xla`` the third.
+second, ``DSV4_DOT_MERGER=xla`` the third, ``DSV4_COMMAND_SCHEDULING=xla`` the fourth.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ FLAG = "--xla_allow_excess_precision=false"
 COMMAND_BUFFERS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
                    "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL")
 NO_DOT_MERGER = "--xla_gpu_dot_merger_threshold_mb=0"
+CONCURRENT_COMMANDS = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"
 
 
 def _backends_initialized() -> bool:
@@ -88,6 +97,13 @@ def ensure_no_dot_merger() -> bool:
     return _ensure(NO_DOT_MERGER, os.environ.get("DSV4_DOT_MERGER") == "xla")
 
 
+def ensure_concurrent_commands() -> bool:
+    """Add ``CONCURRENT_COMMANDS`` to ``XLA_FLAGS`` if possible; returns whether it is in
+    effect."""
+    return _ensure(CONCURRENT_COMMANDS, os.environ.get("DSV4_COMMAND_SCHEDULING") == "xla")
+
+
 EXACT_ROUNDING = ensure_exact_rounding()
 DEVICE_LOOPS = ensure_device_loops()
 NO_WEIGHT_MERGING = ensure_no_dot_merger()
+CONCURRENT_COMMAND_BUFFERS = ensure_concurrent_commands()

@@ -1,5 +1,10 @@
 """The model on a GPU: the CuTe attention kernel inside the model gives the reference's
 logits, prefill and decode (run on the device: ``python -m pytest -m gpu``)."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import jax
@@ -108,3 +113,42 @@ def test_programmatic_dependent_launches_give_the_plain_launches_logits():
         assert "CuteDSLRT_NvJaxCutlassCall" in hlo
     assert np.all(np.isfinite(out[True]))
     np.testing.assert_array_equal(out[True], out[False])
+
+
+# A process per scheduling mode: XLA reads its flags once, when the backend starts.
+_GENERATE_PROBE = """
+import json, jax, dsv4_jax as dj
+cfg = dj.Config.tiny(quantized=True, n_heads=64, o_groups=8, dim=512, q_lora_rank=512,
+                     moe_inter_dim=512, o_lora_rank=256)
+model, params = dj.DSV4(cfg), dj.init_params(cfg, 0)
+out = dj.generate(model, params, [[5, 17, 300, 41], [9]], 40, logprobs=True,
+                  speculative=SPECULATIVE)
+print(json.dumps([dj.CONCURRENT_COMMAND_BUFFERS, out.tokens,
+                  [[float(x) for x in row] for row in out.logprobs]]))
+"""
+
+
+def _generate_under(scheduling: str | None, speculative: bool):
+    env = {k: v for k, v in os.environ.items() if k != "DSV4_COMMAND_SCHEDULING"}
+    if scheduling:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_gpu_command_buffer_scheduling_mode={scheduling}").strip()
+    code = _GENERATE_PROBE.replace("SPECULATIVE", str(speculative))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [False, True])
+def test_concurrent_commands_give_the_serialized_tokens_and_logprobs(speculative):
+    """dsv4_jax's default, concurrent commands in the step's CUDA graph, against XLA's chain
+    of commands: ``dj.generate``'s tokens and log-probabilities bit for bit (the quantised
+    model with every kernel; a race on a buffer would change them)."""
+    concurrent, tokens, logprobs = _generate_under(None, speculative)
+    serial, tokens_serial, logprobs_serial = _generate_under("SERIALIZE", speculative)
+    assert concurrent and not serial
+    assert tokens == tokens_serial and len(tokens[0]) == 40
+    assert np.all(np.isfinite(np.concatenate(logprobs)))
+    np.testing.assert_array_equal(np.concatenate(logprobs), np.concatenate(logprobs_serial))

@@ -9,13 +9,14 @@ import sys
 import pytest
 
 _PROBE = ("import os, json, jax, dsv4_jax as dj; jax.devices(); print(json.dumps(["
-          "os.environ['XLA_FLAGS'], dj.EXACT_ROUNDING, dj.DEVICE_LOOPS, dj.NO_WEIGHT_MERGING]))")
+          "os.environ['XLA_FLAGS'], dj.EXACT_ROUNDING, dj.DEVICE_LOOPS, dj.NO_WEIGHT_MERGING, "
+          "dj.CONCURRENT_COMMAND_BUFFERS]))")
 
 
 def _import_flags(**env) -> tuple:
     clean = {k: v for k, v in os.environ.items()
              if k not in ("XLA_FLAGS", "DSV4_DOT_MERGER", "DSV4_COMMAND_BUFFERS",
-                          "DSV4_ALLOW_EXCESS_PRECISION")}
+                          "DSV4_ALLOW_EXCESS_PRECISION", "DSV4_COMMAND_SCHEDULING")}
     out = subprocess.run([sys.executable, "-c", _PROBE], env={**clean, "JAX_PLATFORMS": "cpu",
                                                               **env},
                          capture_output=True, text=True, timeout=120, check=True)
@@ -23,12 +24,13 @@ def _import_flags(**env) -> tuple:
     return flags.split(), states
 
 
-def test_importing_the_package_sets_the_three_flags_and_xla_accepts_them():
+def test_importing_the_package_sets_the_four_flags_and_xla_accepts_them():
     flags, states = _import_flags()
     assert "--xla_allow_excess_precision=false" in flags
     assert any(f.startswith("--xla_gpu_enable_command_buffer=") for f in flags)
     assert "--xla_gpu_dot_merger_threshold_mb=0" in flags
-    assert states == [True, True, True]
+    assert "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT" in flags
+    assert states == [True, True, True, True]
 
 
 @pytest.mark.parametrize("env, kept", [
@@ -45,5 +47,17 @@ def test_a_users_dot_merger_setting_is_left_as_it_is(env, kept):
 
 def test_a_users_command_buffer_setting_is_left_as_it_is():
     flags, states = _import_flags(XLA_FLAGS="--xla_gpu_enable_command_buffer=")
-    assert [f for f in flags if "command_buffer" in f] == ["--xla_gpu_enable_command_buffer="]
-    assert states == [True, False, True]
+    assert [f for f in flags if "enable_command_buffer" in f] == [
+        "--xla_gpu_enable_command_buffer="]
+    assert states == [True, False, True, True]
+
+
+@pytest.mark.parametrize("env, kept", [
+    ({"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"},
+     "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"),
+    ({"DSV4_COMMAND_SCHEDULING": "xla"}, None),
+])
+def test_a_users_command_scheduling_is_left_as_it_is(env, kept):
+    flags, states = _import_flags(**env)
+    assert [f for f in flags if "scheduling_mode" in f] == ([kept] if kept else [])
+    assert states[3] is False
