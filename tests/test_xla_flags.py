@@ -33,16 +33,23 @@ def test_importing_the_package_sets_the_four_flags_and_xla_accepts_them():
     assert states == [True, True, True, True]
 
 
-@pytest.mark.parametrize("env, kept", [
-    ({"XLA_FLAGS": "--xla_gpu_dot_merger_threshold_mb=32"},
-     "--xla_gpu_dot_merger_threshold_mb=32"),
-    ({"DSV4_DOT_MERGER": "xla"}, None),
-])
-def test_a_users_dot_merger_setting_is_left_as_it_is(env, kept):
+# (user's environment, the flag's name, what the user's setting leaves, the state's index)
+_KEPT_SETTINGS = [
+    ({"XLA_FLAGS": "--xla_gpu_dot_merger_threshold_mb=32"}, "dot_merger",
+     "--xla_gpu_dot_merger_threshold_mb=32", 2),
+    ({"DSV4_DOT_MERGER": "xla"}, "dot_merger", None, 2),
+    ({"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"}, "scheduling_mode",
+     "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE", 3),
+    ({"DSV4_COMMAND_SCHEDULING": "xla"}, "scheduling_mode", None, 3),
+]
+
+
+@pytest.mark.parametrize("env, name, kept, state", _KEPT_SETTINGS)
+def test_a_users_setting_or_opt_out_is_left_as_it_is(env, name, kept, state):
     flags, states = _import_flags(**env)
-    merger = [f for f in flags if "dot_merger" in f]
-    assert merger == ([kept] if kept else [])
-    assert states[2] is False
+    assert [f for f in flags if name in f] == ([kept] if kept else [])
+    assert states[state] is False
+    assert all(states[:state] + states[state + 1:])
 
 
 def test_a_users_command_buffer_setting_is_left_as_it_is():
@@ -50,14 +57,3 @@ def test_a_users_command_buffer_setting_is_left_as_it_is():
     assert [f for f in flags if "enable_command_buffer" in f] == [
         "--xla_gpu_enable_command_buffer="]
     assert states == [True, False, True, True]
-
-
-@pytest.mark.parametrize("env, kept", [
-    ({"XLA_FLAGS": "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"},
-     "--xla_gpu_command_buffer_scheduling_mode=SERIALIZE"),
-    ({"DSV4_COMMAND_SCHEDULING": "xla"}, None),
-])
-def test_a_users_command_scheduling_is_left_as_it_is(env, kept):
-    flags, states = _import_flags(**env)
-    assert [f for f in flags if "scheduling_mode" in f] == ([kept] if kept else [])
-    assert states[3] is False
