@@ -6,7 +6,10 @@
 #   generate: dj.generate's loop per layer at BATCHES (1,8,64) x CTXS (4096), kernels attributed
 #             to the model's modules at ATTRIBUTE (1,8); XLA's default command buffers
 #             (DSV4_COMMAND_BUFFERS=default): the profiler then sees every kernel, so the
-#             device time and launches per step are real
+#             device time and launches per step are real. PROFILE_GRAPHS=1: the users' CUDA
+#             graphs kept while profiling (--xla_enable_command_buffers_during_profiling),
+#             so the trace holds the concurrent step as it runs (its kernels as the graphs'
+#             nodes, where CUPTI reports them)
 #   graphs:   wall time per step as users run it (dsv4_jax's flags: the while loop in CUDA
 #             graphs), at BATCHES x CTXS, no profile
 #   ab:       graphs with the change of the patch AB_PATCH (applied in the checkout) and
@@ -41,9 +44,14 @@ run_bench() {  # name, extra XLA flags, timeout, decode_step args...
 }
 for what in "$@"; do
   case $what in
-    generate) DSV4_COMMAND_BUFFERS=default run_bench generate "" ${GEN_TIMEOUT:-330} \
-                --generate --impls ${IMPLS:-auto} --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} \
-                --steps $steps --attribute-batches ${ATTRIBUTE:-1,8} --top ${TOP:-12} ;;
+    generate) gen=(--generate --impls ${IMPLS:-auto} --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096}
+                   --steps $steps --attribute-batches ${ATTRIBUTE:-1,8} --top ${TOP:-12})
+              if [[ ${PROFILE_GRAPHS:-0} == 1 ]]; then
+                run_bench generate --xla_enable_command_buffers_during_profiling=true \
+                  ${GEN_TIMEOUT:-330} "${gen[@]}"
+              else
+                DSV4_COMMAND_BUFFERS=default run_bench generate "" ${GEN_TIMEOUT:-330} "${gen[@]}"
+              fi ;;
     graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls ${IMPLS:-auto} \
               --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps --no-profile \
               --attribute-batches 0 ${SPECULATIVE:+--speculative} ;;

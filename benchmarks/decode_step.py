@@ -224,8 +224,9 @@ def run_generate(args, base, params_big, out):
     small, big = args.layers
     n = big - small
     lines = [f"### Generate path (`dj.generate`'s while loop), per layer = (t_{big} - t_{small})"
-             f" / {n}; device time and launches from a profiled loop of "
-             f"{figures.PROFILE_STEPS - 1} steps", "",
+             f" / {n}; device time (the GPU's busy time: kernels that run at once count "
+             f"once) and launches from a profiled loop of {figures.PROFILE_STEPS - 1} steps",
+             "",
              "| impl | ctx | batch | wall/layer (ms) | device/layer (ms) | launches/layer | "
              f"floor/layer (ms) | of floor | wall L={big} (ms) | device L={big} (ms) | "
              f"launches L={big} | bytes L={big} (MB) | floor L={big} (ms) |",

@@ -137,15 +137,31 @@ def _seconds(go) -> float:
     return time.perf_counter() - t0
 
 
+def busy_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals: the time a device had at least one
+    op running. Kernels that run at once (concurrent commands of a CUDA graph, several
+    streams) count once, where a sum of their durations counts each."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
 def trace_device_ops(run_once, samples: dict | None = None, copies=None,
-                     by_device: dict | None = None, prepare=None):
+                     by_device: dict | None = None, prepare=None, busy: dict | None = None):
     """``run_once()`` (with ``prepare``: ``run_once(prepare())``, its inputs made before the
     trace starts) under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
     given, receives the trace arguments of each name's first event (the HLO op that launched
     a kernel); ``copies`` (a ``Counter``) the total us of each copy by
     ``"<module>/<op> <size> B"``; ``by_device`` (a dict) a ``Counter`` of total us per op
-    name for each device (the trace's process name, e.g. ``/device:GPU:1``)."""
+    name for each device (the trace's process name, e.g. ``/device:GPU:1``); ``busy`` (a
+    dict) each device's busy us (``busy_us`` of its ops' intervals)."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     inputs = () if prepare is None else (prepare(),)
     run_once(*inputs)
@@ -163,12 +179,14 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, n in names.items() if "/device:GPU" in n}
     pids = gpu or {pid for pid, n in names.items() if "/host:CPU" in n}
+    intervals = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in pids and "dur" in e:
             if not gpu and not e.get("args", {}).get("hlo_op"):
                 continue
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
+            intervals[names[e["pid"]]].append((e["ts"], e["ts"] + e["dur"]))
             if by_device is not None:
                 by_device.setdefault(names[e["pid"]], collections.Counter())[e["name"]] += \
                     e["dur"]
@@ -178,17 +196,23 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
             if copies is not None and e["name"].startswith("Memcpy"):
                 size = args.get("memcpy_details", "").rpartition("size:")[2].split(" ")[0]
                 copies[f"{args.get('hlo_module')}/{args.get('hlo_op')} {size} B"] += e["dur"]
+    if busy is not None:
+        busy.update({device: busy_us(spans) for device, spans in intervals.items()})
     return totals, counts
 
 
 def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None,
                      copies=None, by_device: dict | None = None):
-    """Device us per step, launches per step and the op table of a ``steps``-step loop
-    (``samples``, ``copies``, ``by_device``: as ``trace_device_ops``)."""
+    """Device us per step -- the devices' busy time (``busy_us``, summed over devices), not
+    the sum of op durations, which counts ops that run at once twice --, launches per step
+    and the op table of a ``steps``-step loop (``samples``, ``copies``, ``by_device``: as
+    ``trace_device_ops``)."""
+    busy = {}
     totals, counts = trace_device_ops(lambda go: jax.block_until_ready(go()), samples, copies,
-                                      by_device, prepare=lambda: run.prepare(params, steps))
+                                      by_device, prepare=lambda: run.prepare(params, steps),
+                                      busy=busy)
     per = steps - 1                                   # the loop runs budget - 1 model steps
-    return sum(totals.values()) / per, sum(counts.values()) / per, totals, counts
+    return sum(busy.values()) / per, sum(counts.values()) / per, totals, counts
 
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = ")

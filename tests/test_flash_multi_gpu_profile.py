@@ -36,16 +36,29 @@ def test_the_per_device_split_of_a_trace():
 
 def test_trace_device_ops_splits_by_device():
     """On the CPU backend the ops of the host threads stand in for the device streams: the
-    per-device counters add up to the totals."""
+    per-device counters add up to the totals, and each device's busy time is at most its
+    ops' summed durations."""
     fn = jax.jit(lambda x: jnp.sin(x) @ x)
     x = jnp.ones((64, 64), jnp.float32)
-    by_device = {}
+    by_device, busy = {}, {}
     totals, counts = step_figures.trace_device_ops(lambda: jax.block_until_ready(fn(x)),
-                                                   by_device=by_device)
+                                                   by_device=by_device, busy=busy)
     assert sum(counts.values()) > 0 and by_device
     merged = sum(by_device.values(), collections.Counter())
     assert set(merged) == set(totals)
     assert abs(sum(merged.values()) - sum(totals.values())) < 1e-6
+    assert set(busy) == set(by_device)
+    for device, ops in by_device.items():
+        assert 0 < busy[device] <= sum(ops.values()) + 1e-6
+
+
+def test_busy_time_counts_overlapping_ops_once():
+    """Concurrent commands: two kernels at once are one span of busy time; gaps are not."""
+    assert step_figures.busy_us([]) == 0.0
+    assert step_figures.busy_us([(0, 10), (20, 25)]) == 15.0
+    assert step_figures.busy_us([(5, 12), (0, 10), (11, 14)]) == 14.0
+    assert step_figures.busy_us([(0, 30), (2, 4), (10, 20)]) == 30.0
+    assert step_figures.busy_us([(0, 10), (10, 15)]) == 15.0
 
 
 def test_loops_are_timed_in_turn_and_each_repeat_is_kept():
