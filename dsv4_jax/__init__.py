@@ -8,9 +8,9 @@
     logits, cache = model.apply({"params": params}, tokens, cache)
 
 Importing the package sets XLA's flags (``_xla_flags``: exact rounding, decode loops in CUDA
-graphs, no per-call weight concatenation, concurrent commands in those graphs) and nothing else: the
-names below import their modules (and JAX) on first use, so the command line's ``--help``
-needs no JAX.
+graphs, no per-call weight concatenation, concurrent commands in those graphs) and nothing
+else: the names below import their modules (and JAX) on first use, so the command line's
+``--help`` needs no JAX.
 """
 import importlib
 
