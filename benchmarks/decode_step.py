@@ -37,6 +37,7 @@ Tables go to stdout and, with ``--out``, to a markdown file.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import os
@@ -51,6 +52,7 @@ import jax.numpy as jnp
 from dsv4_jax.ffi.policy import (ALGORITHM_ENV_VAR, IMPLEMENTATION_ENV_VAR,
                                  PREFILL_ALGORITHM_ENV_VAR, KernelPolicy)
 from dsv4_jax.params import abstract_params
+import critical_path
 import step_figures as figures
 
 
@@ -249,8 +251,9 @@ def run_generate(args, base, params_big, out):
                 fig = {}
                 for layers in (small, big):
                     run, (wall, _), first_s = runs[impl, layers], *timed[impl, layers]
+                    by_op = collections.Counter()
                     dev_us, launches, totals, counts = figures.generate_profile(
-                        run, params[layers])
+                        run, params[layers], by_op=by_op)
                     fig[layers] = (wall, dev_us / 1e6, launches)
                     print(f"generate {impl} ctx={ctx} batch={batch} L={layers}: wall "
                           f"{wall * 1e3:.3f} ms/step, device {dev_us / 1e3:.3f} ms/step, "
@@ -260,9 +263,20 @@ def run_generate(args, base, params_big, out):
                         hlo = run.hlo(params[layers])
                         rows = figures.attribute(totals, counts, hlo, figures.PROFILE_STEPS - 1)
                         if args.out:
-                            figures.write_op_table(
-                                f"{os.path.splitext(args.out)[0]}_ops_b{batch}.tsv", totals,
-                                counts, hlo, figures.PROFILE_STEPS - 1)
+                            stem = os.path.splitext(args.out)[0]
+                            figures.write_op_table(f"{stem}_ops_b{batch}.tsv", totals,
+                                                   counts, hlo, figures.PROFILE_STEPS - 1)
+                            # With the HLO, critical_path.py's input: the step's longest
+                            # chain when its launches run concurrently.
+                            figures.write_hlo_op_table(f"{stem}_hloops_b{batch}.tsv", by_op,
+                                                       figures.PROFILE_STEPS - 1)
+                            with open(f"{stem}_hlo_b{batch}.txt", "w") as f:
+                                f.write(hlo)
+                            print(critical_path.report(
+                                critical_path.instructions(critical_path.loop_body(hlo)),
+                                {op: t / (figures.PROFILE_STEPS - 1)
+                                 for op, t in by_op.items() if not op.startswith("#")},
+                                1.0, 20), flush=True)
                         out.append(attribution_table(
                             f"kernels by module, generate loop, {impl}, batch {batch}, ctx "
                             f"{ctx}, L={big} (layers merged), per step", rows, big - small))

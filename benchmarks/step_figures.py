@@ -153,7 +153,8 @@ def busy_us(intervals) -> float:
 
 
 def trace_device_ops(run_once, samples: dict | None = None, copies=None,
-                     by_device: dict | None = None, prepare=None, busy: dict | None = None):
+                     by_device: dict | None = None, prepare=None, busy: dict | None = None,
+                     by_op=None):
     """``run_once()`` (with ``prepare``: ``run_once(prepare())``, its inputs made before the
     trace starts) under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
@@ -161,7 +162,9 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
     a kernel); ``copies`` (a ``Counter``) the total us of each copy by
     ``"<module>/<op> <size> B"``; ``by_device`` (a dict) a ``Counter`` of total us per op
     name for each device (the trace's process name, e.g. ``/device:GPU:1``); ``busy`` (a
-    dict) each device's busy us (``busy_us`` of its ops' intervals)."""
+    dict) each device's busy us (``busy_us`` of its ops' intervals); ``by_op`` (a
+    ``Counter``) the total us and (``by_op["#" + op]``) the launches of each HLO op (the
+    event's ``hlo_op``: a CuTe kernel's custom call, an XLA fusion)."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     inputs = () if prepare is None else (prepare(),)
     run_once(*inputs)
@@ -191,6 +194,9 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
                 by_device.setdefault(names[e["pid"]], collections.Counter())[e["name"]] += \
                     e["dur"]
             args = e.get("args", {})
+            if by_op is not None and args.get("hlo_op"):
+                by_op[args["hlo_op"]] += e["dur"]
+                by_op["#" + args["hlo_op"]] += 1
             if samples is not None:
                 samples.setdefault(e["name"], args)
             if copies is not None and e["name"].startswith("Memcpy"):
@@ -202,15 +208,15 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
 
 
 def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None,
-                     copies=None, by_device: dict | None = None):
+                     copies=None, by_device: dict | None = None, by_op=None):
     """Device us per step -- the devices' busy time (``busy_us``, summed over devices), not
     the sum of op durations, which counts ops that run at once twice --, launches per step
-    and the op table of a ``steps``-step loop (``samples``, ``copies``, ``by_device``: as
-    ``trace_device_ops``)."""
+    and the op table of a ``steps``-step loop (``samples``, ``copies``, ``by_device``,
+    ``by_op``: as ``trace_device_ops``)."""
     busy = {}
     totals, counts = trace_device_ops(lambda go: jax.block_until_ready(go()), samples, copies,
                                       by_device, prepare=lambda: run.prepare(params, steps),
-                                      busy=busy)
+                                      busy=busy, by_op=by_op)
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(busy.values()) / per, sum(counts.values()) / per, totals, counts
 
@@ -277,6 +283,16 @@ def attribute(totals, counts, hlo_text: str, steps: int, depth: int = 3):
         us[key] += totals[name] / steps
         n[key] += counts[name] / steps
     return sorted(((k, us[k], n[k]) for k in us), key=lambda r: -r[2])
+
+
+def write_hlo_op_table(path: str, by_op, steps: int) -> None:
+    """us and launches per step of each HLO op (``trace_device_ops``'s ``by_op``), the TSV
+    ``critical_path.py`` reads."""
+    with open(path, "w") as f:
+        f.write("hlo_op\tus_per_step\tlaunches_per_step\n")
+        for op, t in by_op.most_common():
+            if not op.startswith("#"):
+                f.write(f"{op}\t{t / steps:.3f}\t{by_op['#' + op] / steps:.2f}\n")
 
 
 def write_op_table(path: str, totals, counts, hlo_text: str, steps: int) -> None:

@@ -1,0 +1,135 @@
+"""The critical path of a decode step whose launches run concurrently (no GPU needed).
+
+With concurrent commands (``dsv4_jax/_xla_flags.py``) a step's launches overlap wherever
+their buffers allow, so the step takes about its longest dependency chain, not the sum of its
+launches -- and the profiler, which sees kernels only outside CUDA graphs, cannot show that
+chain. This tool rebuilds it: the dependency graph of the while loop's body from XLA's
+optimised HLO (every instruction's operands), each launch weighted by its measured time (a
+profile of the same program with XLA's default command buffers, per HLO op) plus a fixed
+launch latency, and the longest path through it.
+
+    python3 critical_path.py HLO_AFTER_OPTIMIZATIONS.txt OPS.tsv [--launch-us 1.0] [--top 25]
+
+``OPS.tsv``: ``hlo_op<TAB>us_per_step<TAB>launches_per_step`` (``decode_step.py --out F``
+writes it as ``F_hloops_b<batch>.tsv`` for the attributed batches; the HLO comes from
+``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``: the ``jit_loop`` module's
+``*after_optimizations.txt``). docs/performance.md, "Concurrent commands", has the method's
+check against a measured step.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+_WHILE = re.compile(r"while\([^)]*\), condition=%[\w.\-]+, body=%([\w.\-]+)")
+_INSTRUCTION = re.compile(r"\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# Instructions that launch nothing: they name, slice or regroup buffers.
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+
+
+def loop_body(hlo_text: str) -> list[str]:
+    """The lines of the first while loop's body computation."""
+    match = _WHILE.search(hlo_text)
+    if not match:
+        raise ValueError("critical_path: the HLO has no while loop")
+    lines = hlo_text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith(f"%{match.group(1)} "))
+    end = next(i for i in range(head + 1, len(lines)) if lines[i].strip() == "}")
+    return lines[head + 1:end]
+
+
+def instructions(lines: list[str]) -> list[tuple[str, list[str], bool, str]]:
+    """``(name, operands, launches, op_name)`` of each instruction, in program order
+    (operands: the instruction names before its attributes; a fusion's ``calls=`` and a
+    custom call's metadata are not operands)."""
+    out = []
+    for line in lines:
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, _, kind, rest = match.groups()
+        args = rest.split("), ")[0].split(", kind=")[0]
+        op_name = _OP_NAME.search(line)
+        out.append((name, _OPERAND.findall(args), kind not in _FREE,
+                    op_name.group(1) if op_name else ""))
+    return out
+
+
+def critical_path(instrs, us_by_op: dict, launch_us: float) -> tuple[float, list[str]]:
+    """Length (us) and instructions of the longest chain: each launching instruction weighs
+    its ``us_by_op`` time (0 if absent) plus ``launch_us``; the others weigh nothing."""
+    finish, before = {}, {}
+    for name, operands, launches, _ in instrs:
+        ready = [(finish[o], o) for o in operands if o in finish]
+        start, parent = max(ready) if ready else (0.0, None)
+        weight = us_by_op.get(name, 0.0) + launch_us if launches else 0.0
+        finish[name], before[name] = start + weight, parent
+    if not finish:
+        return 0.0, []
+    node = max(finish, key=finish.get)
+    length, path = finish[node], []
+    while node is not None:
+        path.append(node)
+        node = before[node]
+    return length, path[::-1]
+
+
+def module_of(op_name: str) -> str:
+    """A short label: the model module of an op (``layers_*/attn/wq_b``), else the op."""
+    part = op_name.split("/DSV4/", 1)[-1]
+    part = re.sub(r"layers_\d+/layers_\d+\.block/(layers_\d+\._)?", "layers_*/", part)
+    keep = []
+    for p in part.split("/"):
+        if "(" in p or p in ("cond", "branch_0_fun", "branch_1_fun") or len(keep) == 3:
+            break
+        keep.append(p)
+    return "/".join(keep) or op_name[:40] or "(no op name)"
+
+
+def read_ops(path: str) -> dict:
+    """``{hlo_op: us per step}`` of an ``OPS.tsv`` (see the module docstring)."""
+    out = {}
+    with open(path) as f:
+        next(f)
+        for line in f:
+            op, us, _ = line.rstrip("\n").split("\t")[:3]
+            out[op] = float(us)
+    return out
+
+
+def report(instrs, us_by_op: dict, launch_us: float, top: int) -> str:
+    """The critical path's length, launches and time by module (markdown)."""
+    length, path = critical_path(instrs, us_by_op, launch_us)
+    info = {name: (launches, op_name) for name, _, launches, op_name in instrs}
+    on_path = [name for name in path if info[name][0]]
+    by, count = collections.Counter(), collections.Counter()
+    for name in on_path:
+        label = module_of(info[name][1])
+        by[label] += us_by_op.get(name, 0.0) + launch_us
+        count[label] += 1
+    total = sum(us_by_op.get(name, 0.0) for name, _, launches, _ in instrs if launches)
+    lines = [f"critical path {length:.0f} us over {len(on_path)} launches (launch latency "
+             f"{launch_us} us each); all launches {total:.0f} us", "",
+             "| module | us on the path | launches |", "|---|---|---|"]
+    lines += [f"| `{label}` | {us:.1f} | {count[label]} |" for label, us in by.most_common(top)]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("hlo", help="XLA's optimised HLO text of the loop's module")
+    p.add_argument("ops", help="TSV of us per step by HLO op")
+    p.add_argument("--launch-us", type=float, default=1.0,
+                   help="latency added to every launch on the path")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+    with open(args.hlo) as f:
+        instrs = instructions(loop_body(f.read()))
+    print(report(instrs, read_ops(args.ops), args.launch_us, args.top))
+
+
+if __name__ == "__main__":
+    main()
