@@ -22,6 +22,8 @@ import argparse
 import collections
 import re
 
+from step_figures import module_of
+
 _WHILE = re.compile(r"while\([^)]*\), condition=%[\w.\-]+, body=%([\w.\-]+)")
 _INSTRUCTION = re.compile(r"\s+(?:ROOT )?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -75,18 +77,6 @@ def critical_path(instrs, us_by_op: dict, launch_us: float) -> tuple[float, list
         path.append(node)
         node = before[node]
     return length, path[::-1]
-
-
-def module_of(op_name: str) -> str:
-    """A short label: the model module of an op (``layers_*/attn/wq_b``), else the op."""
-    part = op_name.split("/DSV4/", 1)[-1]
-    part = re.sub(r"layers_\d+/layers_\d+\.block/(layers_\d+\._)?", "layers_*/", part)
-    keep = []
-    for p in part.split("/"):
-        if "(" in p or p in ("cond", "branch_0_fun", "branch_1_fun") or len(keep) == 3:
-            break
-        keep.append(p)
-    return "/".join(keep) or op_name[:40] or "(no op name)"
 
 
 def read_ops(path: str) -> dict:

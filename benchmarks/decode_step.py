@@ -251,9 +251,9 @@ def run_generate(args, base, params_big, out):
                 fig = {}
                 for layers in (small, big):
                     run, (wall, _), first_s = runs[impl, layers], *timed[impl, layers]
-                    by_op = collections.Counter()
+                    by_op, op_launches = collections.Counter(), collections.Counter()
                     dev_us, launches, totals, counts = figures.generate_profile(
-                        run, params[layers], by_op=by_op)
+                        run, params[layers], by_op=by_op, op_launches=op_launches)
                     fig[layers] = (wall, dev_us / 1e6, launches)
                     print(f"generate {impl} ctx={ctx} batch={batch} L={layers}: wall "
                           f"{wall * 1e3:.3f} ms/step, device {dev_us / 1e3:.3f} ms/step, "
@@ -269,14 +269,13 @@ def run_generate(args, base, params_big, out):
                             # With the HLO, critical_path.py's input: the step's longest
                             # chain when its launches run concurrently.
                             figures.write_hlo_op_table(f"{stem}_hloops_b{batch}.tsv", by_op,
-                                                       figures.PROFILE_STEPS - 1)
+                                                       op_launches, figures.PROFILE_STEPS - 1)
                             with open(f"{stem}_hlo_b{batch}.txt", "w") as f:
                                 f.write(hlo)
                             print(critical_path.report(
                                 critical_path.instructions(critical_path.loop_body(hlo)),
                                 {op: t / (figures.PROFILE_STEPS - 1)
-                                 for op, t in by_op.items() if not op.startswith("#")},
-                                1.0, 20), flush=True)
+                                 for op, t in by_op.items()}, 1.0, 20), flush=True)
                         out.append(attribution_table(
                             f"kernels by module, generate loop, {impl}, batch {batch}, ctx "
                             f"{ctx}, L={big} (layers merged), per step", rows, big - small))

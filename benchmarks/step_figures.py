@@ -154,7 +154,7 @@ def busy_us(intervals) -> float:
 
 def trace_device_ops(run_once, samples: dict | None = None, copies=None,
                      by_device: dict | None = None, prepare=None, busy: dict | None = None,
-                     by_op=None):
+                     by_op=None, op_launches=None):
     """``run_once()`` (with ``prepare``: ``run_once(prepare())``, its inputs made before the
     trace starts) under the JAX profiler: ``Counter`` of total us and of calls per device
     op name (GPU streams; on a CPU-only run the XLA ops of the host threads). ``samples``, if
@@ -162,9 +162,9 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
     a kernel); ``copies`` (a ``Counter``) the total us of each copy by
     ``"<module>/<op> <size> B"``; ``by_device`` (a dict) a ``Counter`` of total us per op
     name for each device (the trace's process name, e.g. ``/device:GPU:1``); ``busy`` (a
-    dict) each device's busy us (``busy_us`` of its ops' intervals); ``by_op`` (a
-    ``Counter``) the total us and (``by_op["#" + op]``) the launches of each HLO op (the
-    event's ``hlo_op``: a CuTe kernel's custom call, an XLA fusion)."""
+    dict) each device's busy us (``busy_us`` of its ops' intervals); ``by_op`` and
+    ``op_launches`` (``Counter``s) the total us and the launches of each HLO op (the event's
+    ``hlo_op``: a CuTe kernel's custom call, an XLA fusion)."""
     log_dir = tempfile.mkdtemp(prefix="dsv4_profile_")
     inputs = () if prepare is None else (prepare(),)
     run_once(*inputs)
@@ -196,7 +196,8 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
             args = e.get("args", {})
             if by_op is not None and args.get("hlo_op"):
                 by_op[args["hlo_op"]] += e["dur"]
-                by_op["#" + args["hlo_op"]] += 1
+            if op_launches is not None and args.get("hlo_op"):
+                op_launches[args["hlo_op"]] += 1
             if samples is not None:
                 samples.setdefault(e["name"], args)
             if copies is not None and e["name"].startswith("Memcpy"):
@@ -208,15 +209,16 @@ def trace_device_ops(run_once, samples: dict | None = None, copies=None,
 
 
 def generate_profile(run, params, steps: int = PROFILE_STEPS, samples: dict | None = None,
-                     copies=None, by_device: dict | None = None, by_op=None):
+                     copies=None, by_device: dict | None = None, by_op=None,
+                     op_launches=None):
     """Device us per step -- the devices' busy time (``busy_us``, summed over devices), not
     the sum of op durations, which counts ops that run at once twice --, launches per step
     and the op table of a ``steps``-step loop (``samples``, ``copies``, ``by_device``,
-    ``by_op``: as ``trace_device_ops``)."""
+    ``by_op``, ``op_launches``: as ``trace_device_ops``)."""
     busy = {}
     totals, counts = trace_device_ops(lambda go: jax.block_until_ready(go()), samples, copies,
                                       by_device, prepare=lambda: run.prepare(params, steps),
-                                      busy=busy, by_op=by_op)
+                                      busy=busy, by_op=by_op, op_launches=op_launches)
     per = steps - 1                                   # the loop runs budget - 1 model steps
     return sum(busy.values()) / per, sum(counts.values()) / per, totals, counts
 
@@ -285,14 +287,13 @@ def attribute(totals, counts, hlo_text: str, steps: int, depth: int = 3):
     return sorted(((k, us[k], n[k]) for k in us), key=lambda r: -r[2])
 
 
-def write_hlo_op_table(path: str, by_op, steps: int) -> None:
-    """us and launches per step of each HLO op (``trace_device_ops``'s ``by_op``), the TSV
-    ``critical_path.py`` reads."""
+def write_hlo_op_table(path: str, by_op, op_launches, steps: int) -> None:
+    """us and launches per step of each HLO op (``trace_device_ops``'s ``by_op`` and
+    ``op_launches``), the TSV ``critical_path.py`` reads."""
     with open(path, "w") as f:
         f.write("hlo_op\tus_per_step\tlaunches_per_step\n")
         for op, t in by_op.most_common():
-            if not op.startswith("#"):
-                f.write(f"{op}\t{t / steps:.3f}\t{by_op['#' + op] / steps:.2f}\n")
+            f.write(f"{op}\t{t / steps:.3f}\t{op_launches[op] / steps:.2f}\n")
 
 
 def write_op_table(path: str, totals, counts, hlo_text: str, steps: int) -> None:
