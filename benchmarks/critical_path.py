@@ -5,7 +5,7 @@ their buffers allow, so the step takes about its longest dependency chain, not t
 launches -- and the profiler, which sees kernels only outside CUDA graphs, cannot show that
 chain. This tool rebuilds it: the dependency graph of the while loop's body from XLA's
 optimised HLO (every instruction's operands), each launch weighted by its measured time (a
-profile of the same program with XLA's default command buffers, per HLO op) plus a fixed
+profile of the same program without command buffers, per HLO op) plus a fixed
 launch latency, and the longest path through it.
 
     python3 critical_path.py HLO_AFTER_OPTIMIZATIONS.txt OPS.tsv [--launch-us 1.0] [--top 25]

@@ -4,11 +4,12 @@
 #   source .device/setup.sh && bash benchmarks/decode_on_device.sh generate [graphs] [tests]
 #   (IMPLS: the kernel policies compared, decode_step.py --impls; default auto)
 #   generate: dj.generate's loop per layer at BATCHES (1,8,64) x CTXS (4096), kernels attributed
-#             to the model's modules at ATTRIBUTE (1,8); XLA's default command buffers with
-#             their commands in a chain (DSV4_COMMAND_BUFFERS=default
-#             DSV4_COMMAND_SCHEDULING=xla): the profiler then sees every kernel under its own
-#             HLO op (with concurrent commands it names only the command buffer), so device
-#             time, launches per step and critical_path.py's op times are real.
+#             to the model's modules at ATTRIBUTE (1,8); no command buffers
+#             (--xla_gpu_enable_command_buffer=, the loop driven by the host): the profiler
+#             then sees every kernel under its own HLO op (inside command buffers it names
+#             only the buffer), so device time, launches per step and critical_path.py's op
+#             times are real (its wall time is the host-driven loop's: the users' is the
+#             graphs mode's).
 #             PROFILE_GRAPHS=1: the users' CUDA graphs kept while profiling
 #             (--xla_enable_command_buffers_during_profiling); measured on an H200, the
 #             trace then holds only the launches outside the graphs (37 of ~250 per step),
@@ -53,8 +54,8 @@ for what in "$@"; do
                 run_bench generate --xla_enable_command_buffers_during_profiling=true \
                   ${GEN_TIMEOUT:-330} "${gen[@]}"
               else
-                DSV4_COMMAND_BUFFERS=default DSV4_COMMAND_SCHEDULING=xla \
-                  run_bench generate "" ${GEN_TIMEOUT:-330} "${gen[@]}"
+                run_bench generate --xla_gpu_enable_command_buffer= ${GEN_TIMEOUT:-330} \
+                  "${gen[@]}"
               fi ;;
     graphs) run_bench graphs "" ${GEN_TIMEOUT:-200} --generate --impls ${IMPLS:-auto} \
               --batches ${BATCHES:-1,8,64} --ctxs ${CTXS:-4096} --steps $steps --no-profile \
