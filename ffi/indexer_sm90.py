@@ -3,8 +3,9 @@
 ``[B, S, H, width]`` temporary), merged into the running top-k by
 ``kernels/index_topk_sm90.py`` (a radix select per query row) when there are at least
 ``TOP_K_ROWS`` query rows and k <= ``MAX_TOPK``; a decode step's few rows over one block by
-``kernels/index_topk_split_sm90.py`` (the same select, each row split over many CTAs); else
-by XLA's ``top_k`` (in parts for a few long rows); in the reference's loop
+``kernels/index_topk_split_sm90.py`` (the same select, each row split over many CTAs) from
+``SPLIT_MIN_WIDTH`` entries on, below that by ``index_topk_sm90.py`` too; else (a few rows
+over several blocks) by XLA's ``top_k`` (in parts for long rows); in the reference's loop
 (``indexer_reference.blocked_topk``)."""
 from __future__ import annotations
 
@@ -163,10 +164,12 @@ def index_topk_cute(q, weights, keys, visible, k: int, *, block: int | None = No
 def choose_select(rows: int, n: int, kk: int, width: int):
     """The running top-k's merge: the one-CTA-per-row kernel from ``TOP_K_ROWS`` rows on (a
     prefill chunk's rows fill the GPU); for fewer rows over one block (a decode step: the
-    whole table at once) of at least ``SPLIT_MIN_WIDTH`` entries, the split kernels, which
-    spread each row over many CTAs; else XLA's top-k (in parts for long rows): a short row's
-    top-k is one XLA sort against the split's four launches (docs/performance.md)."""
-    if kk <= MAX_TOPK and rows >= TOP_K_ROWS:
+    whole table at once), the split kernels, which spread each row over many CTAs, from
+    ``SPLIT_MIN_WIDTH`` entries on, and the one-CTA-per-row kernel below that (one launch
+    where XLA's top-k is three on the step's critical path: docs/performance.md, "the
+    one-CTA top-k at decode"); else (a few rows over several blocks) XLA's top-k, in parts for
+    long rows."""
+    if kk <= MAX_TOPK and (rows >= TOP_K_ROWS or n <= width < SPLIT_MIN_WIDTH):
         return select_cute
     if (width >= n and width >= SPLIT_MIN_WIDTH
             and split_select_supported(width, kk, jnp.bfloat16)):

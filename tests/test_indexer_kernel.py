@@ -191,14 +191,15 @@ def test_split_topk_kernel_compiles_for_sm90a():
 
 
 @pytest.mark.parametrize("rows, n, block, launches, split", [
-    (8, 20000, None, 2, True), (8, 1000, None, 1, False), (256, 1000, None, 2, False),
+    (8, 20000, None, 2, True), (8, 1000, None, 2, False), (256, 1000, None, 2, False),
     (8, 20000, 4096, 2, False)])
 def test_the_merge_follows_the_row_count(rows, n, block, launches, split):
-    """The score kernel and the top-k kernel from TOP_K_ROWS query rows on (a prefill chunk);
-    the score kernel and the split top-k kernels for fewer rows over one block of at least
-    SPLIT_MIN_WIDTH entries (a decode step at a long context); the score kernel and XLA's
-    top-k for a short block; the score kernel twice (the first block, then the loop's) and
-    XLA's top-k in parts for a few rows over several blocks."""
+    """The score kernel and the top-k kernel from TOP_K_ROWS query rows on (a prefill chunk)
+    and for fewer rows over one block of fewer than SPLIT_MIN_WIDTH entries (a decode step at
+    a short context); the score kernel and the split top-k kernels for fewer rows over one
+    block of at least SPLIT_MIN_WIDTH entries (a decode step at a long context); the score
+    kernel twice (the first block, then the loop's) and XLA's top-k in parts for a few rows
+    over several blocks."""
     pytest.importorskip("cutlass")
     S = jax.ShapeDtypeStruct
     args = (S((1, rows, H, D), BF16), S((1, rows, H), BF16), S((1, n, D), BF16),
@@ -228,12 +229,13 @@ def _lower_model(index_impl, max_len=256):
 
 
 def test_the_models_step_lowers_to_the_indexer_kernels():
-    """Per CSA layer of the decode step, one score launch (the table is one block; the tiny
-    table's few entries take XLA's top-k), none when the op runs its reference."""
+    """Per CSA layer of the decode step, one score launch (the table is one block) and one
+    top-k launch (the tiny table is short: the one-CTA kernel, not the split), none when the
+    op runs its reference."""
     pytest.importorskip("cutlass")
     cfg, text = _lower_model("cute")
     csa = sum(1 for i in range(cfg.n_layers) if cfg.layer_kind(i) == "csa")
-    assert csa >= 1 and text.count(_LAUNCH) == csa and _SPLIT_LAUNCH not in text
+    assert csa >= 1 and text.count(_LAUNCH) == 2 * csa and _SPLIT_LAUNCH not in text
     assert _LAUNCH not in _lower_model("xla")[1]
 
 
