@@ -9,6 +9,12 @@ profile of the same program without command buffers, per HLO op) plus a fixed
 launch latency, and the longest path through it.
 
     python3 critical_path.py HLO_AFTER_OPTIMIZATIONS.txt OPS.tsv [--launch-us 1.0] [--top 25]
+        [--what-if 'REGEX=FACTOR[;REGEX=FACTOR...]' ...]
+
+``--what-if``: the path again with the launches whose "HLO name op_name" matches a REGEX
+taking FACTOR times their time (0: the launch is gone, its latency too) -- a fusion or a
+faster kernel priced before it is built. Each ``--what-if`` is one scenario; its rules
+(separated by ``;``) apply together.
 
 ``OPS.tsv``: ``hlo_op<TAB>us_per_step<TAB>launches_per_step`` (``decode_step.py --out F``
 writes it as ``F_hloops_b<batch>.tsv`` for the attributed batches; the HLO comes from
@@ -60,14 +66,17 @@ def instructions(lines: list[str]) -> list[tuple[str, list[str], bool, str]]:
     return out
 
 
-def critical_path(instrs, us_by_op: dict, launch_us: float) -> tuple[float, list[str]]:
+def critical_path(instrs, us_by_op: dict, launch_us: float,
+                  removed=frozenset()) -> tuple[float, list[str]]:
     """Length (us) and instructions of the longest chain: each launching instruction weighs
-    its ``us_by_op`` time (0 if absent) plus ``launch_us``; the others weigh nothing."""
+    its ``us_by_op`` time (0 if absent) plus ``launch_us``, unless it is ``removed``; the
+    others weigh nothing."""
     finish, before = {}, {}
     for name, operands, launches, _ in instrs:
         ready = [(finish[o], o) for o in operands if o in finish]
         start, parent = max(ready) if ready else (0.0, None)
-        weight = us_by_op.get(name, 0.0) + launch_us if launches else 0.0
+        weight = (us_by_op.get(name, 0.0) + launch_us
+                  if launches and name not in removed else 0.0)
         finish[name], before[name] = start + weight, parent
     if not finish:
         return 0.0, []
@@ -77,6 +86,32 @@ def critical_path(instrs, us_by_op: dict, launch_us: float) -> tuple[float, list
         path.append(node)
         node = before[node]
     return length, path[::-1]
+
+
+def what_if(instrs, us_by_op: dict, rules) -> tuple[dict, frozenset]:
+    """``(us_by_op, removed)`` after ``rules`` -- ``(regex, factor)`` pairs: a launching
+    instruction whose ``"name op_name"`` matches a regex takes ``factor`` times its time
+    (the first matching rule), and with factor 0 it is removed (no launch latency)."""
+    scaled, removed = dict(us_by_op), set()
+    for name, _, launches, op_name in instrs:
+        rule = next((f for r, f in rules if re.search(r, f"{name} {op_name}")), None)
+        if not launches or rule is None:
+            continue
+        scaled[name] = us_by_op.get(name, 0.0) * rule
+        if rule == 0:
+            removed.add(name)
+    return scaled, frozenset(removed)
+
+
+def parse_rules(text: str) -> list[tuple[str, float]]:
+    """``'REGEX=FACTOR;REGEX=FACTOR'`` -> ``[(regex, factor), ...]`` (the last ``=`` splits)."""
+    rules = []
+    for part in filter(None, text.split(";")):
+        regex, sep, factor = part.rpartition("=")
+        if not sep or not regex:
+            raise ValueError(f"critical_path: a what-if rule is REGEX=FACTOR, got {part!r}")
+        rules.append((regex, float(factor)))
+    return rules
 
 
 def read_ops(path: str) -> dict:
@@ -115,10 +150,19 @@ def main(argv=None):
     p.add_argument("--launch-us", type=float, default=1.0,
                    help="latency added to every launch on the path")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--what-if", action="append", default=[], metavar="REGEX=FACTOR[;...]",
+                   help="a scenario: matching launches' times scaled (0: removed)")
     args = p.parse_args(argv)
     with open(args.hlo) as f:
         instrs = instructions(loop_body(f.read()))
-    print(report(instrs, read_ops(args.ops), args.launch_us, args.top))
+    us = read_ops(args.ops)
+    print(report(instrs, us, args.launch_us, args.top))
+    base, _ = critical_path(instrs, us, args.launch_us)
+    for text in args.what_if:
+        scaled, removed = what_if(instrs, us, parse_rules(text))
+        length, _ = critical_path(instrs, scaled, args.launch_us, removed)
+        print(f"what if {text}: {length:.0f} us ({length / base - 1:+.1%}; "
+              f"{len(removed)} launches removed)")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,20 @@ def test_the_longest_chain_of_concurrent_launches():
     assert "| `layers_*/attn/kv` | 9.0 | 1 |" in text
 
 
+def test_what_if_scales_or_removes_matching_launches():
+    """A rule scales the launches it matches (by HLO name or op name); factor 0 removes them
+    with their launch latency, and the path moves to the chain that is left."""
+    instrs = critical_path.instructions(critical_path.loop_body(HLO))
+    us = {"q": 5.0, "kv": 8.0, "o": 2.0, "h": 1.0}
+    scaled, removed = critical_path.what_if(instrs, us, critical_path.parse_rules(
+        "attn/kv/=0.5;^o =0"))
+    assert scaled == {"q": 5.0, "kv": 4.0, "o": 0.0, "h": 1.0} and removed == {"o"}
+    length, path = critical_path.critical_path(instrs, scaled, 1.0, removed)
+    assert length == 7.0 and [n for n in path if n in us and n not in removed] == ["kv", "h"]
+    with pytest.raises(ValueError, match="REGEX=FACTOR"):
+        critical_path.parse_rules("attn")
+
+
 def test_an_hlo_without_a_loop_is_refused():
     with pytest.raises(ValueError, match="no while loop"):
         critical_path.loop_body("HloModule m\n")
