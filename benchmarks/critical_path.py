@@ -9,12 +9,13 @@ profile of the same program without command buffers, per HLO op) plus a fixed
 launch latency, and the longest path through it.
 
     python3 critical_path.py HLO_AFTER_OPTIMIZATIONS.txt OPS.tsv [--launch-us 1.0] [--top 25]
-        [--what-if 'REGEX=FACTOR[;REGEX=FACTOR...]' ...]
+        [--what-if 'REGEX=FACTOR[;REGEX=FACTOR...]' ...] [--chain]
 
 ``--what-if``: the path again with the launches whose "HLO name op_name" matches a REGEX
 taking FACTOR times their time (0: the launch is gone, its latency too) -- a fusion or a
 faster kernel priced before it is built. Each ``--what-if`` is one scenario; its rules
-(separated by ``;``) apply together.
+(separated by ``;``) apply together. ``--chain``: the path's launches in order, with their
+times and op names.
 
 ``OPS.tsv``: ``hlo_op<TAB>us_per_step<TAB>launches_per_step`` (``decode_step.py --out F``
 writes it as ``F_hloops_b<batch>.tsv`` for the attributed batches; the HLO comes from
@@ -88,6 +89,21 @@ def critical_path(instrs, us_by_op: dict, launch_us: float,
     return length, path[::-1]
 
 
+def chain(instrs, us_by_op: dict, launch_us: float) -> str:
+    """The critical path's launches in order: us, HLO name and op name (the loop prefix
+    dropped), one per line -- a layer's chain read top to bottom."""
+    _, path = critical_path(instrs, us_by_op, launch_us)
+    info = {name: (launches, op_name) for name, _, launches, op_name in instrs}
+    lines = []
+    for name in path:
+        launches, op_name = info[name]
+        if launches:
+            short = re.sub(r"^jit\(loop\)/while/body/(DSV4/)?", "", op_name)
+            short = re.sub(r"/cond/branch_\d+_fun/.*", " (call)", short)
+            lines.append(f"{us_by_op.get(name, 0.0):8.1f}  {name:36s} {short[:100]}")
+    return "\n".join(lines)
+
+
 def what_if(instrs, us_by_op: dict, rules) -> tuple[dict, frozenset]:
     """``(us_by_op, removed)`` after ``rules`` -- ``(regex, factor)`` pairs: a launching
     instruction whose ``"name op_name"`` matches a regex takes ``factor`` times its time
@@ -152,11 +168,14 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--what-if", action="append", default=[], metavar="REGEX=FACTOR[;...]",
                    help="a scenario: matching launches' times scaled (0: removed)")
+    p.add_argument("--chain", action="store_true", help="list the path's launches in order")
     args = p.parse_args(argv)
     with open(args.hlo) as f:
         instrs = instructions(loop_body(f.read()))
     us = read_ops(args.ops)
     print(report(instrs, us, args.launch_us, args.top))
+    if args.chain:
+        print(chain(instrs, us, args.launch_us))
     base, _ = critical_path(instrs, us, args.launch_us)
     for text in args.what_if:
         scaled, removed = what_if(instrs, us, parse_rules(text))

@@ -62,6 +62,14 @@ def test_what_if_scales_or_removes_matching_launches():
         critical_path.parse_rules("attn")
 
 
+def test_chain_lists_the_paths_launches_in_order():
+    instrs = critical_path.instructions(critical_path.loop_body(HLO))
+    lines = critical_path.chain(instrs, {"q": 5.0, "kv": 8.0, "o": 2.0, "h": 1.0},
+                                1.0).splitlines()
+    assert [line.split()[:2] for line in lines] == [["8.0", "kv"], ["2.0", "o"]]
+    assert lines[0].endswith("layers_0/layers_0.block/attn/kv/mul")
+
+
 def test_an_hlo_without_a_loop_is_refused():
     with pytest.raises(ValueError, match="no while loop"):
         critical_path.loop_body("HloModule m\n")
