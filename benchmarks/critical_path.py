@@ -14,7 +14,8 @@ launch latency, and the longest path through it.
 ``--what-if``: the path again with the launches whose "HLO name op_name" matches a REGEX
 taking FACTOR times their time (0: the launch is gone, its latency too) -- a fusion or a
 faster kernel priced before it is built. Each ``--what-if`` is one scenario; its rules
-(separated by ``;``) apply together. ``--chain``: the path's launches in order, with their
+(separated by ``;``) apply together; ``--what-if standard``: the candidates of
+``STANDARD_WHAT_IFS``. ``--chain``: the path's launches in order, with their
 times and op names.
 
 ``OPS.tsv``: ``hlo_op<TAB>us_per_step<TAB>launches_per_step`` (``decode_step.py --out F``
@@ -119,6 +120,39 @@ def what_if(instrs, us_by_op: dict, rules) -> tuple[dict, frozenset]:
     return scaled, frozenset(removed)
 
 
+# The candidates priced in docs/performance.md ("the step's critical path, measured"), by the
+# op names the model's modules give their launches: ``--what-if standard`` runs them all.
+STANDARD_WHAT_IFS = (
+    ("the routed launches at their HBM floor (x 0.49)",
+     r"ffn/cond/branch_0_fun/jit\(call_wrapper\)=0.49"),
+    ("the query path's XLA launches and the FFN sum gone",
+     r"attn/q_norm/=0;attn/reduce_sum=0;attn/concatenate=0;attn/mul=0;"
+     r"ffn/convert_element_type=0;indexer/(concatenate|dot_general|reduce_max|"
+     r"convert_element_type)=0"),
+    ("wo_a and wo_b at 0.6 x (one launch at their joint floor)", "attn/wo_a/=0.6;attn/wo_b/=0.6"),
+    ("the mHC pre at half its time", "_mhc_pre/=0.5"),
+    ("the heads' norm, RoPE and inverse RoPE inside the attention kernel",
+     "attn/reduce_sum=0;attn/concatenate=0;attn/mul=0"),
+    ("the router at half its time", "ffn/gate/=0.5"),
+    ("q_norm inside wq_b", "attn/q_norm/=0"),
+    ("the indexer's query glue gone",
+     "indexer/(concatenate|dot_general|reduce_max|convert_element_type)=0"),
+    ("the FFN sum inside the next mHC pre", "ffn/convert_element_type=0"),
+)
+
+
+def what_ifs(instrs, us_by_op: dict, launch_us: float, scenarios) -> str:
+    """One line per ``(label, rules)`` scenario: its path and the change from the base."""
+    base, _ = critical_path(instrs, us_by_op, launch_us)
+    lines = []
+    for label, text in scenarios:
+        scaled, removed = what_if(instrs, us_by_op, parse_rules(text))
+        length, _ = critical_path(instrs, scaled, launch_us, removed)
+        lines.append(f"what if {label}: {length:.0f} us ({length / base - 1:+.1%}; "
+                     f"{len(removed)} launches removed)")
+    return "\n".join(lines)
+
+
 def parse_rules(text: str) -> list[tuple[str, float]]:
     """``'REGEX=FACTOR;REGEX=FACTOR'`` -> ``[(regex, factor), ...]`` (the last ``=`` splits)."""
     rules = []
@@ -176,12 +210,10 @@ def main(argv=None):
     print(report(instrs, us, args.launch_us, args.top))
     if args.chain:
         print(chain(instrs, us, args.launch_us))
-    base, _ = critical_path(instrs, us, args.launch_us)
-    for text in args.what_if:
-        scaled, removed = what_if(instrs, us, parse_rules(text))
-        length, _ = critical_path(instrs, scaled, args.launch_us, removed)
-        print(f"what if {text}: {length:.0f} us ({length / base - 1:+.1%}; "
-              f"{len(removed)} launches removed)")
+    scenarios = [s for text in args.what_if
+                 for s in (STANDARD_WHAT_IFS if text == "standard" else [(text, text)])]
+    if scenarios:
+        print(what_ifs(instrs, us, args.launch_us, scenarios))
 
 
 if __name__ == "__main__":

@@ -272,10 +272,13 @@ def run_generate(args, base, params_big, out):
                                                        op_launches, figures.PROFILE_STEPS - 1)
                             with open(f"{stem}_hlo_b{batch}.txt", "w") as f:
                                 f.write(hlo)
-                            print(critical_path.report(
-                                critical_path.instructions(critical_path.loop_body(hlo)),
-                                {op: t / (figures.PROFILE_STEPS - 1)
-                                 for op, t in by_op.items()}, 1.0, 20), flush=True)
+                            instrs = critical_path.instructions(critical_path.loop_body(hlo))
+                            op_us = {op: t / (figures.PROFILE_STEPS - 1)
+                                     for op, t in by_op.items()}
+                            print(critical_path.report(instrs, op_us, 1.0, 20), flush=True)
+                            print(critical_path.what_ifs(instrs, op_us, 1.0,
+                                                         critical_path.STANDARD_WHAT_IFS),
+                                  flush=True)
                         out.append(attribution_table(
                             f"kernels by module, generate loop, {impl}, batch {batch}, ctx "
                             f"{ctx}, L={big} (layers merged), per step", rows, big - small))
