@@ -41,8 +41,9 @@ bf16 in the kernel, 64 heads of width 128; its launch config from
 running top-k -- by CuTe top-k kernels (``kernels/index_topk_sm90.py``, and for a decode
 step's long rows ``index_topk_split_sm90.py``: exactly ``lax.top_k``'s values and ids) from
 ``indexer_reference.TOP_K_ROWS`` query rows on (prefill) and for a decode step's rows over
-the whole table at once, else by XLA's (``indexer_sm90.choose_select``). Its blocks are wider (``indexer_sm90.choose_kernel_block``: bf16 ``[B, S,
-block]`` within ``KERNEL_SCORE_BUDGET_BYTES``). The kernel adds the 64 head products in a
+the whole table at once, else by XLA's (``indexer_sm90.choose_select``). Its blocks are
+wider (``indexer_sm90.choose_kernel_block``: bf16 ``[B, S, block]`` within
+``KERNEL_SCORE_BUDGET_BYTES``). The kernel adds the 64 head products in a
 fixed f32 tree: its ids equal the reference's whenever that sum is exact in f32 (the
 indexer's FP4-grid inputs make the dot products exact; the weighted sum is exact unless
 its terms span more than f32's 24 bits), else scores may differ by an f32 rounding before
