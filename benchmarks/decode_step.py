@@ -84,16 +84,19 @@ def sub_stack(params: dict, layers: int) -> dict:
 
 # --impls variants: the grouped-GEMM policy fields they change.
 VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True}}
+# Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
+POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True}}
 
 
 def policy_of(value: str) -> KernelPolicy:
     """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/variant]``;
     ``+algorithm`` sets the grouped GEMM's decode kernel, ``+prefill:algorithm`` its prefill
     kernel; ``/unpaired``: a launch per linear, ``/pdl``: the decode kernels as programmatic
-    dependent launches)."""
+    dependent launches; ``/ffnsum``: each MoE output summed inside the next mHC pre)."""
     value, _, variant = value.partition("/")
-    if variant not in VARIANTS:
-        raise ValueError(f"--impls: {value}/{variant}: the variants are {sorted(VARIANTS)}")
+    if variant not in VARIANTS and variant not in POLICY_VARIANTS:
+        raise ValueError(f"--impls: {value}/{variant}: the variants are "
+                         f"{sorted(VARIANTS) + sorted(POLICY_VARIANTS)}")
     value, _, algorithm = value.partition("+")
     env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
     if algorithm.startswith("prefill:"):
@@ -101,6 +104,8 @@ def policy_of(value: str) -> KernelPolicy:
     elif algorithm:
         env[ALGORITHM_ENV_VAR] = algorithm
     policy = KernelPolicy.from_environment(env)
+    if variant in POLICY_VARIANTS:
+        return dataclasses.replace(policy, **POLICY_VARIANTS[variant])
     if variant:
         policy = dataclasses.replace(policy, grouped_gemm=dataclasses.replace(
             policy.grouped_gemm, **VARIANTS[variant]))

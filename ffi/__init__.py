@@ -3,6 +3,7 @@
 Importing this package registers every op (``registry.op_names()``); ``KernelPolicy``
 (``policy.py``) chooses their implementations and kernel configurations as a value.
 """
+from .ffn_sum import FfnSum
 from .grouped_gemm import (grouped_gemm, grouped_gemm_pair, grouped_gemm_pair_reference,
                            grouped_gemm_reference)
 from .hc_pre import hc_pre, hc_pre_reference
@@ -15,7 +16,7 @@ from .registry import op_names, op_spec
 from .router import moe_router, moe_router_reference
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
-__all__ = ["grouped_gemm", "grouped_gemm_reference", "grouped_gemm_pair",
+__all__ = ["FfnSum", "grouped_gemm", "grouped_gemm_reference", "grouped_gemm_pair",
            "grouped_gemm_pair_reference", "hc_pre", "hc_pre_reference",
            "hc_split_sinkhorn",
            "hc_split_sinkhorn_reference", "index_topk", "index_topk_reference",

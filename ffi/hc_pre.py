@@ -18,7 +18,10 @@ Contract::
     x is first replaced by x_new = hc_post(out_p, x, post_p, comb_p) -- post_p[k] out_p +
     sum_j comb_p[j, k] x[j] in f32, in x's dtype -- and x_new is returned too, the residual
     streams of the next hc_post. One op for the previous sub-block's update and this one's
-    pre (2 XLA launches fewer per sub-block on the kernel).
+    pre (2 XLA launches fewer per sub-block on the kernel). out_p may be an
+    ``ffi.ffn_sum.FfnSum`` (a MoE sub-block's routed rows and shared row, unsummed): out_p
+    is then its ``total()``, which the kernel adds itself, in the same order (one XLA launch
+    fewer per layer).
 
 The reference (``ffi/hc_pre_reference.py``) is that chain in XLA; the Hopper kernel
 (``ffi/hc_pre_sm90.py``) runs it in one launch for decode-size inputs (bf16 x, at most
@@ -37,7 +40,8 @@ __all__ = ["hc_pre", "hc_pre_reference", "check_hc_pre_args"]
 
 
 def _support(x, fn=None, scale=None, base=None, weight=None, pending_out=None, *_, n, **__):
-    return hc_pre_sm90.support(x, fn, weight, n, pending=pending_out is not None)
+    return hc_pre_sm90.support(x, fn, weight, n, pending=pending_out is not None,
+                               pending_out=pending_out)
 
 
 def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, norm_eps: float,
@@ -47,7 +51,8 @@ def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, nor
     kernel; raises when it cannot run), ``"xla"`` (the XLA chain) or None (the kernel when
     lowering for a Hopper GPU and it supports the arguments, else the chain).
     ``split_implementation``: the split's, inside the chain. ``pending``: the previous
-    sub-block's ``(out, post, comb)``, applied to x first (x_new returned fourth)."""
+    sub-block's ``(out, post, comb)`` (``out`` an array or an ``FfnSum``), applied to x
+    first (x_new returned fourth)."""
     check_hc_pre_args(x, fn, scale, base, weight, n, iters)
     if pending is not None:
         check_pending(x, pending, n)

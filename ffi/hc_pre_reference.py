@@ -12,10 +12,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .ffn_sum import FfnSum, check_ffn_sum
 from .hc_sinkhorn_reference import hc_split_sinkhorn_reference
 
 __all__ = ["hc_pre_reference", "check_hc_pre_args", "stream_mixes", "collapse", "rms_norm",
-           "hc_post"]
+           "hc_post", "pending_total"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # fn split into three bf16 parts that sum to it exactly (8 + 8 + 8 significant bits), each
@@ -77,13 +78,21 @@ def hc_post(out: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Arra
     return y.astype(out.dtype)
 
 
+def pending_total(out) -> jax.Array:
+    """A pending ``out`` as one array: an ``FfnSum``'s total (the MoE output's parts added
+    as the model adds them), else ``out`` itself."""
+    return out.total() if isinstance(out, FfnSum) else out
+
+
 def check_pending(x, pending, n: int, op: str = "hc_pre") -> None:
-    """``pending = (out, post, comb)`` of the sub-block before ``x``: shapes named in one
-    line."""
+    """``pending = (out, post, comb)`` of the sub-block before ``x`` (``out`` an array or an
+    ``FfnSum``): shapes named in one line."""
     if not isinstance(pending, (tuple, list)) or len(pending) != 3:
         raise TypeError(f"{op}: pending must be (out, post, comb) or None, got "
                         f"{type(pending).__name__}")
     out, post, comb = pending
+    if isinstance(out, FfnSum):
+        check_ffn_sum(out, op)
     lead, d = tuple(x.shape[:-2]), x.shape[-1]
     for name, a, want in (("out", out, lead + (d,)), ("post", post, lead + (n,)),
                           ("comb", comb, lead + (n, n))):
@@ -129,7 +138,7 @@ def hc_pre_reference(x, fn, scale, base, weight, pending_out=None, pending_post=
     check_hc_pre_args(x, fn, scale, base, weight, n, iters)
     if pending_out is not None:
         check_pending(x, (pending_out, pending_post, pending_comb), n)
-        x = hc_post(pending_out, x, pending_post, pending_comb)
+        x = hc_post(pending_total(pending_out), x, pending_post, pending_comb)
     pre, post, comb = split(stream_mixes(x, fn, norm_eps), scale, base, n=n, iters=iters,
                             eps=hc_eps)
     out = rms_norm(collapse(x, pre), weight, norm_eps)

@@ -43,6 +43,8 @@ token (expert parallelism relies on this for its empty slots, id -1).
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from .dispatch import dispatch
@@ -112,14 +114,19 @@ def moe_expert_rows(xa, ea, wa, w1, w3, w2, *, swiglu_limit, quantized, simulate
 
 
 def moe_experts(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized, simulate,
-                implementation=None, policy: GroupedGemmPolicy | None = None):
+                implementation=None, policy: GroupedGemmPolicy | None = None,
+                summed: bool = True):
     """Routed-expert output of one MoE layer, f32 ``[T, d]``; see the module docstring.
 
-    ``implementation`` and ``policy`` as for ``moe_expert_rows``.
+    ``implementation`` and ``policy`` as for ``moe_expert_rows``. ``summed=False``: the
+    unsummed parts ``(rows [T k, d], position [T k] int32, valid [T k] bool)`` of
+    ``ffi.ffn_sum.FfnSum`` instead (a kernel's rows in its own order), for a consumer that
+    adds them itself.
     """
     check_moe_args(x, route_idx, route_w, w1, w3, w2, op="moe_experts")
     check_ids_in_range(route_idx, w1[0].shape[0], "moe_experts")
-    return _run("moe_experts", moe_experts_reference, moe_experts_cute, _tokens_support,
+    return _run("moe_experts", functools.partial(moe_experts_reference, summed=summed),
+                functools.partial(moe_experts_cute, summed=summed), _tokens_support,
                 (x, route_idx, route_w), (w1, w3, w2), swiglu_limit=swiglu_limit,
                 quantized=quantized, simulate=simulate, implementation=implementation,
                 policy=policy)

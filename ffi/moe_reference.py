@@ -94,12 +94,18 @@ def sum_rows_per_token(rows, order, t: int, k: int, position=None):
 
 
 def moe_experts_reference(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit, quantized,
-                          simulate):
-    """Pure-JAX definition of ``moe_experts`` (runs anywhere); see ``ffi/moe.py``."""
+                          simulate, summed: bool = True):
+    """Pure-JAX definition of ``moe_experts`` (runs anywhere); see ``ffi/moe.py``
+    (``summed=False``: the rows in assignment order, the identity positions, their ids'
+    validity)."""
     check_moe_args(x, route_idx, route_w, w1, w3, w2, op="moe_experts")
     t, k = route_idx.shape
     rows = functools.partial(moe_expert_rows_reference, w1=w1, w3=w3, w2=w2,
                              swiglu_limit=swiglu_limit, quantized=quantized, simulate=simulate)
     token = jnp.repeat(jnp.arange(t), k)
     out = rows(x[token], route_idx.reshape(-1), route_w.reshape(-1))
+    if not summed:
+        ids = route_idx.reshape(-1)
+        return (out, jnp.arange(t * k, dtype=jnp.int32),
+                (ids >= 0) & (ids < w1[0].shape[0]))
     return sum_rows_per_token(out, None, t, k)

@@ -73,8 +73,9 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     (``source_row`` None: ``x[a]``). ``source_stride`` k > 0: ``source_row[a]`` is ``a //
     k``, which the kernels that quantise their tokens ("mma_fp8", "wgmma_rs") read
     themselves on row tiles (no gather). Returns ``position`` (row -> its sorted position;
-    None: the rows kept their order, one tile each -- ``grouped_gemm_sm90.use_row_tiles``)
-    and the rows' outputs ``[A, d]`` bf16 in sorted order (rows of dropped ids are zero)."""
+    None: the rows kept their order, one tile each -- ``grouped_gemm_sm90.use_row_tiles``),
+    the rows' outputs ``[A, d]`` bf16 in sorted order and their validity ``[A]`` (a row of a
+    dropped id is never written: mask it)."""
     groups = w1[0].shape[0]
     config, down_config = ((config, config) if config is not None else
                            moe_configs(ea.shape[0], w1, w2, simulate=simulate, policy=policy))
@@ -97,7 +98,11 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
                     token_stride=stride)
     hs, h_scale = gemm.quantized_rows(h, None, down_config, simulate)
     ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=down_config)
-    return position, jnp.where(valid_sorted[:, None], ys, jnp.zeros((), ys.dtype))
+    return position, ys, valid_sorted
+
+
+def _masked(ys, valid):
+    return jnp.where(valid[:, None], ys, jnp.zeros((), ys.dtype))
 
 
 def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulate: bool,
@@ -107,8 +112,10 @@ def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulat
     id is outside [0, E) give zeros. ``simulate``: FP8 activation quantisation (quantised
     weights with the simulation on). ``config``: a kernel variant for tests and benchmarks,
     for both launches, else ``moe_configs`` under ``policy``."""
-    position, ys = _sorted_rows(xa, None, ea, wa, w1, w3, w2, swiglu_limit=swiglu_limit,
-                                simulate=simulate, policy=policy, config=config)
+    position, ys, valid = _sorted_rows(xa, None, ea, wa, w1, w3, w2,
+                                       swiglu_limit=swiglu_limit, simulate=simulate,
+                                       policy=policy, config=config)
+    ys = _masked(ys, valid)
     if position is not None:
         ys = ys[position]
     return ys.astype(xa.dtype)
@@ -116,13 +123,20 @@ def moe_expert_rows_cute(xa, ea, wa, w1, w3, w2, *, swiglu_limit: float, simulat
 
 def moe_experts_cute(x, route_idx, route_w, w1, w3, w2, *, swiglu_limit: float,
                      simulate: bool, policy: GroupedGemmPolicy | None = None,
-                     config: GroupedGemmSm90Config | None = None):
+                     config: GroupedGemmSm90Config | None = None, summed: bool = True):
     """``moe_experts`` on the Hopper kernel: as ``moe_expert_rows_cute`` on the T k
     assignments, but the FP8 simulation runs on the T token rows, the sorted rows gather
-    their token directly and each token gathers and sums its rows (f32, deterministic)."""
+    their token directly and each token gathers and sums its rows (f32, deterministic).
+    ``summed=False``: ``(rows, position, valid)`` instead -- the sorted rows unmasked, each
+    assignment's row and each row's validity (``ffi.ffn_sum``: its consumer adds them)."""
     t, k = route_idx.shape
     token = jnp.asarray(np.arange(t * k, dtype=np.int32) // k)      # a constant, no launch
-    position, ys = _sorted_rows(x, token, route_idx.reshape(-1), route_w.reshape(-1), w1, w3,
-                                w2, swiglu_limit=swiglu_limit, simulate=simulate,
-                                policy=policy, config=config, source_stride=k)
-    return sum_rows_per_token(ys, None, t, k, position=position)
+    position, ys, valid = _sorted_rows(x, token, route_idx.reshape(-1), route_w.reshape(-1),
+                                       w1, w3, w2, swiglu_limit=swiglu_limit,
+                                       simulate=simulate, policy=policy, config=config,
+                                       source_stride=k)
+    if not summed:
+        if position is None:
+            position = jnp.asarray(np.arange(t * k, dtype=np.int32))
+        return ys, position.astype(jnp.int32), valid.astype(jnp.bool_)
+    return sum_rows_per_token(_masked(ys, valid), None, t, k, position=position)

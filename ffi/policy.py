@@ -121,11 +121,17 @@ class KernelPolicy:
     sparse_attention: the attention kernel's ``SparseAttentionSm90Config`` (None: its default,
       ``qk_split`` decided per launch). Pinning ``qk_split`` makes launches over a BF16 and an
       FP8 compressed table schedule alike, so their outputs compare bit for bit.
+    ffn_sum_in_hc_pre: on one device, each MoE sub-block's output goes to the next mHC pre as
+      its parts (``ffi.ffn_sum.FfnSum``: routed rows and shared row), which that op adds --
+      the same bits, one XLA launch fewer per layer on a decode step's critical path. Off
+      by default until the GPU measures it (docs/performance.md, "the step's critical path,
+      measured").
     """
     implementation: str | None = None
     ops: tuple[tuple[str, str], ...] = ()
     grouped_gemm: GroupedGemmPolicy = GroupedGemmPolicy()
     sparse_attention: SparseAttentionSm90Config | None = None
+    ffn_sum_in_hc_pre: bool = False
 
     def __post_init__(self):
         if self.implementation not in (None, REFERENCE, KERNEL):
@@ -138,6 +144,9 @@ class KernelPolicy:
         if not isinstance(self.sparse_attention, (SparseAttentionSm90Config, type(None))):
             raise TypeError(f"KernelPolicy: sparse_attention must be a SparseAttentionSm90Config "
                             f"or None, got {type(self.sparse_attention).__name__}")
+        if not isinstance(self.ffn_sum_in_hc_pre, bool):
+            raise TypeError(f"KernelPolicy: ffn_sum_in_hc_pre must be a bool, got "
+                            f"{type(self.ffn_sum_in_hc_pre).__name__}")
 
     def implementation_for(self, op: str) -> str | None:
         """The implementation ``op`` runs under this policy (``ops`` first, then the default).

@@ -25,6 +25,9 @@ MAX_TOKENS = 128
 # CTAs a launch aims at (``choose_config``): the swept best at 1 to 128 tokens
 # (docs/performance.md); a token's latency chain, not bandwidth, bounds small launches.
 TARGET_CTAS = 64
+# A pending out given as its parts (``ffi.ffn_sum.FfnSum``): the routed rows per token each
+# thread adds per 4-column unit (their loads are issued together).
+MAX_SUMMED_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,10 +59,13 @@ class HcPreSm90(TokenGroupKernel):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, n: int, dim: int, tokens: int, iters: int, hc_eps: float,
-                 norm_eps: float, config: HcPreSm90Config, pending: bool = False):
+                 norm_eps: float, config: HcPreSm90Config, pending: bool = False,
+                 summed_k: int = 0):
         self.n, self.dim, self.tokens, self.iters = n, dim, tokens, iters
         self.warps = WARPS
         self.pending = pending
+        # A pending out given as its parts (``ffi.ffn_sum``): k routed rows to add first.
+        self.summed_k = summed_k
         self.all_streams = list(range(n))
         self.hc_eps, self.norm_eps = float(hc_eps), float(norm_eps)
         self.cluster = config.cluster
@@ -85,7 +88,8 @@ class HcPreSm90(TokenGroupKernel):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
                  mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
-                 mCombP: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
+                 mCombP: cute.Tensor, mRows: cute.Tensor, mPos: cute.Tensor,
+                 mValid: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
                  mComb: cute.Tensor, mXNew: cute.Tensor, stream: cuda.CUstream):
         padded, tb = self.padded, self.tb
 
@@ -99,8 +103,8 @@ class HcPreSm90(TokenGroupKernel):
             total_sq: cute.struct.MemRange[Float32, tb]
 
         self.shared_storage = SharedStorage
-        launched = self.kernel(mX, mFn, mScale, mBase, mW, mOutP, mPostP, mCombP, mOut, mPost,
-                               mComb, mXNew)
+        launched = self.kernel(mX, mFn, mScale, mBase, mW, mOutP, mPostP, mCombP, mRows, mPos,
+                               mValid, mOut, mPost, mComb, mXNew)
         launch(launched, [self.cluster, self.groups, 1], THREADS,
                [self.cluster, 1, 1] if self.cluster > 1 else None, stream)
 
@@ -108,20 +112,24 @@ class HcPreSm90(TokenGroupKernel):
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mFn: cute.Tensor, mScale: cute.Tensor,
                mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
-               mCombP: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
+               mCombP: cute.Tensor, mRows: cute.Tensor, mPos: cute.Tensor,
+               mValid: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
                mComb: cute.Tensor, mXNew: cute.Tensor):
         tidx, rank, warp, lane, t0, storage, sums = self.start()
         for i in cutlass.range_constexpr(-(-self.k_units // THREADS)):
             u = tidx + i * THREADS
             if const_expr((i + 1) * THREADS <= self.k_units):
-                self.mix_pass(sums, mX, mFn, mOutP, mPostP, mCombP, mXNew, rank, t0, u)
+                self.mix_pass(sums, mX, mFn, (mOutP, mPostP, mCombP, mRows, mPos, mValid),
+                              mXNew, rank, t0, u)
             else:
                 if u < self.k_units:
-                    self.mix_pass(sums, mX, mFn, mOutP, mPostP, mCombP, mXNew, rank, t0, u)
+                    self.mix_pass(sums, mX, mFn, (mOutP, mPostP, mCombP, mRows, mPos, mValid),
+                              mXNew, rank, t0, u)
         # The collapse's stream values, loaded now: their latency hides under the sums'
         # exchange (every thread loads, the split warps' loads go unused).
         streams = cute.make_rmem_tensor((self.collapse_passes * self.n * 4,), Float32)
-        self.load_streams(streams, mX, mOutP, mPostP, mCombP, rank, t0, tidx)
+        self.load_streams(streams, mX, (mOutP, mPostP, mCombP, mRows, mPos, mValid), rank,
+                          t0, tidx)
         self.cta_sums(sums, storage.warp_sums, storage.cta_sums, warp, lane)
         totals = self.cluster_sums(storage.cta_sums, storage.totals, self.padded, self.sums,
                                    tidx, THREADS)
@@ -150,8 +158,7 @@ class HcPreSm90(TokenGroupKernel):
             cute.arch.barrier(barrier_id=1, number_of_threads=threads)
 
     @cute.jit
-    def mix_pass(self, sums: cute.Tensor, mX: cute.Tensor, mFn: cute.Tensor,
-                 mOutP: cute.Tensor, mPostP: cute.Tensor, mCombP: cute.Tensor,
+    def mix_pass(self, sums: cute.Tensor, mX: cute.Tensor, mFn: cute.Tensor, pend,
                  mXNew: cute.Tensor, rank: Int32, t0: Int32, u: Int32):
         """K elements [k, k + 4) of every token into the sums; all loads first. With a
         pending hc_post the elements are the updated streams' (``updated``), stored to
@@ -165,7 +172,7 @@ class HcPreSm90(TokenGroupKernel):
             stream, col = k // self.dim, k % self.dim
             for t in cutlass.range_constexpr(self.tb):
                 src = self.source_token(t0, t)
-                xs.append(self.updated(mX, mOutP, mPostP, mCombP, src, col, [stream])[0])
+                xs.append(self.updated(mX, pend, src, col, [stream])[0])
                 if t0 + t < self.tokens:
                     store_global_bf16x4(mXNew.iterator.toint()
                                         + (src.to(Int64) * self.k + k.to(Int64)) * 2, xs[t])
@@ -186,16 +193,20 @@ class HcPreSm90(TokenGroupKernel):
                 sq = sq + x[e] * x[e]
             sums[t * self.per_token + self.mixes] = sq
 
-    def updated(self, mX: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
-                mCombP: cute.Tensor, src: Int32, col: Int32, streams: list) -> list:
+    def updated(self, mX: cute.Tensor, pend, src: Int32, col: Int32, streams: list) -> list:
         """The pending hc_post's streams ``streams`` at columns [col, col + 4) of token
         ``src``: bf16(post[s] out + sum_j comb[j, s] X[j]) in f32, the sum in j order (a
-        trace-time helper: the mix pass and the collapse compute the same values)."""
+        trace-time helper: the mix pass and the collapse compute the same values). ``pend``:
+        ``(out, post, comb, rows, position, valid)``; with ``summed_k`` out is the shared
+        expert's row and ``parts_total`` adds the routed rows to it."""
+        mOutP, mPostP, mCombP = pend[:3]
         n = self.n
         row = mX.iterator.toint() + (src.to(Int64) * self.k + col.to(Int64)) * 2
         xj = [load_global_bf16x4(row + j * self.dim * 2) for j in range(n)]
         out = load_global_bf16x4(mOutP.iterator.toint()
                                  + (src.to(Int64) * self.dim + col.to(Int64)) * 2)
+        if const_expr(self.summed_k > 0):
+            out = self.parts_total(pend[3:], out, src, col)
         result = []
         for s in streams:
             post = mPostP[src, s]
@@ -209,6 +220,23 @@ class HcPreSm90(TokenGroupKernel):
             result.append(values)
         return result
 
+    def parts_total(self, parts, shared, src: Int32, col: Int32) -> list:
+        """Columns [col, col + 4) of token ``src``'s MoE output from its parts
+        (``ffi.ffn_sum.FfnSum``): bf16(((r_0 + r_1) + ... + r_{k-1}) + shared) in f32, r_j
+        its j-th assignment's row ``rows[position[src k + j]]``, +0 where that row is not
+        ``valid`` -- the order and values of ``FfnSum.total``, so the same bits."""
+        mRows, mPos, mValid = parts
+        k = self.summed_k
+        total = []
+        for j in range(k):
+            p = mPos[src * k + j]
+            r = load_global_bf16x4(mRows.iterator.toint()
+                                   + (p.to(Int64) * self.dim + col.to(Int64)) * 2)
+            valid = mValid[p] != 0
+            r = [Float32(cutlass.select_(valid, r[e], Float32(0.0))) for e in range(4)]
+            total = r if j == 0 else [total[e] + r[e] for e in range(4)]
+        return [round_bf16(total[e] + shared[e]) for e in range(4)]
+
     @cute.jit
     def unit(self, rank: Int32, u: Int32):
         """(group slot, first column) of 4-column unit u of this CTA's y slice."""
@@ -216,9 +244,8 @@ class HcPreSm90(TokenGroupKernel):
                 rank * (self.dim // self.cluster) + 4 * (u % self.col_units))
 
     @cute.jit
-    def load_streams(self, streams: cute.Tensor, mX: cute.Tensor, mOutP: cute.Tensor,
-                     mPostP: cute.Tensor, mCombP: cute.Tensor, rank: Int32, t0: Int32,
-                     tidx: Int32):
+    def load_streams(self, streams: cute.Tensor, mX: cute.Tensor, pend, rank: Int32,
+                     t0: Int32, tidx: Int32):
         """The n streams' 4 values of each collapse pass's unit (addresses always valid:
         units past the end read a clamped token); with a pending hc_post, the updated
         streams' (``updated``, as the mix pass computes them)."""
@@ -227,7 +254,7 @@ class HcPreSm90(TokenGroupKernel):
             slot, col = self.unit(rank, tidx + i * self.collapse_threads)
             src = self.source_token(t0, slot)
             if const_expr(self.pending):
-                values = self.updated(mX, mOutP, mPostP, mCombP, src, col, self.all_streams)
+                values = self.updated(mX, pend, src, col, self.all_streams)
                 for j in cutlass.range_constexpr(n):
                     for e in cutlass.range_constexpr(4):
                         streams[(i * n + j) * 4 + e] = values[j][e]
@@ -355,18 +382,24 @@ class HcPreSm90(TokenGroupKernel):
 @cute.jit
 def hc_pre_launcher(stream: cuda.CUstream, x: cute.Tensor, fn: cute.Tensor, scale: cute.Tensor,
                     base: cute.Tensor, weight: cute.Tensor, pending_out: cute.Tensor,
-                    pending_post: cute.Tensor, pending_comb: cute.Tensor, out: cute.Tensor,
+                    pending_post: cute.Tensor, pending_comb: cute.Tensor,
+                    pending_rows: cute.Tensor, pending_position: cute.Tensor,
+                    pending_valid: cute.Tensor, out: cute.Tensor,
                     post: cute.Tensor, comb: cute.Tensor, x_new: cute.Tensor, *,
                     n: cutlass.Constexpr, dim: cutlass.Constexpr, tokens: cutlass.Constexpr,
                     iters: cutlass.Constexpr, hc_eps: cutlass.Constexpr,
                     norm_eps: cutlass.Constexpr, pending: cutlass.Constexpr = False,
+                    summed_k: cutlass.Constexpr = 0,
                     cluster: cutlass.Constexpr = 8, tokens_per_cluster: cutlass.Constexpr = 4):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config). Without
-    ``pending`` the pending_* inputs and x_new are placeholders the kernel never touches."""
+    ``pending`` the pending_* inputs and x_new are placeholders the kernel never touches;
+    without ``summed_k`` the rows, position and valid ones (else ``pending_out`` is the
+    shared expert's row and they are the routed rows of ``ffi.ffn_sum.FfnSum``: rows bf16
+    [T k, d], position and valid int32 [T k])."""
     HcPreSm90(n, dim, tokens, iters, hc_eps, norm_eps,
-              HcPreSm90Config(cluster, tokens_per_cluster), pending)(
-        x, fn, scale, base, weight, pending_out, pending_post, pending_comb, out, post, comb,
-        x_new, stream)
+              HcPreSm90Config(cluster, tokens_per_cluster), pending, summed_k)(
+        x, fn, scale, base, weight, pending_out, pending_post, pending_comb, pending_rows,
+        pending_position, pending_valid, out, post, comb, x_new, stream)
 
 
 __all__ = ["HcPreSm90", "hc_pre_launcher"]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from dsv4_jax.config import Config
+from dsv4_jax.ffi.ffn_sum import FfnSum
 from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax.ffi.router import moe_router
@@ -50,8 +51,8 @@ def expert_rows(xa: jax.Array, ea: jax.Array, wa: jax.Array, params: dict,
 
 
 def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, params: dict,
-                   cfg: Config, mesh=None, policy=DEFAULT_POLICY, rows: int | None = None
-                   ) -> jax.Array:
+                   cfg: Config, mesh=None, policy=DEFAULT_POLICY, rows: int | None = None,
+                   summed: bool = True):
     """Sum over each token's experts of ``w2(weight * swiglu(w1 x, w3 x))``: f32 ``[T, d]``.
 
     ``params`` maps ``w1``/``w2``/``w3`` to ``(weight, scale or None)`` stacked over experts.
@@ -59,16 +60,19 @@ def routed_experts(x: jax.Array, route_w: jax.Array, route_idx: jax.Array, param
     each device runs ``moe_expert_rows`` on the rows it received; ``rows``: the batch's rows
     (the T tokens are rows x sequence; default T), which set how they are split
     (``mesh_rules.row_axes``). ``policy``: a ``KernelPolicy`` (or ``"cute"``, ``"xla"``,
-    None) choosing the ops' implementations.
+    None) choosing the ops' implementations. ``summed=False`` (one device only): the
+    unsummed ``(rows, position, valid)`` of ``ffi.ffn_sum.FfnSum`` (``moe_experts``).
     """
     policy = KernelPolicy.coerce(policy)
     if mesh is not None:
+        if not summed:
+            raise ValueError("routed_experts: summed=False needs one device (mesh None)")
         return expert_parallel(x, route_w, route_idx, params, cfg.n_routed_experts, mesh,
                                lambda r, e, w, p: expert_rows(r, e, w, p, cfg, policy),
                                x.shape[0] if rows is None else rows)
     return moe_experts(x, route_idx, route_w, params["w1"], params["w3"], params["w2"],
                        **moe_op_kwargs(cfg), implementation=policy.implementation_for(
-                           "moe_experts"), policy=policy.grouped_gemm)
+                           "moe_experts"), policy=policy.grouped_gemm, summed=summed)
 
 
 class StackedWeight(nn.Module):
@@ -178,17 +182,22 @@ class MoE(nn.Module):
     policy: KernelPolicy = DEFAULT_POLICY       # the ops' implementations and kernel configs
 
     @nn.compact
-    def __call__(self, x: jax.Array, token_ids: jax.Array) -> jax.Array:
-        """x [B,S,d] (normed), token_ids [B,S] (hash routing) -> [B,S,d] in x's dtype.
-        On a mesh the [B, S] arrays go to the collective sections as they are: their rows
-        set how the batch is split (``mesh_rules.row_axes``)."""
+    def __call__(self, x: jax.Array, token_ids: jax.Array):
+        """x [B,S,d] (normed), token_ids [B,S] (hash routing) -> [B,S,d] in x's dtype, or
+        its unsummed parts (``ffi.ffn_sum.FfnSum``, ``total()`` the same bits) when the
+        policy's ``ffn_sum_in_hc_pre`` is on and there is no mesh: the next mHC pre adds
+        them. On a mesh the [B, S] arrays go to the collective sections as they are: their
+        rows set how the batch is split (``mesh_rules.row_axes``)."""
         cfg = self.cfg
         b, s, d = x.shape
         gate = Gate(cfg, self.layer_id < cfg.n_hash_layers, self.policy, self.mesh, name="gate")
         weights, idx = gate(x, token_ids)
         params = Experts(cfg, name="experts")()
+        parts = self.mesh is None and KernelPolicy.coerce(self.policy).ffn_sum_in_hc_pre
         y = routed_experts(x.reshape(b * s, d), weights, idx, params, cfg, self.mesh,
-                           self.policy, rows=b)
+                           self.policy, rows=b, summed=not parts)
         shared = Expert(cfg, self.policy, self.mesh, name="shared_experts")(x)
+        if parts:
+            return FfnSum(*y, shared=shared.reshape(b, s, d), k=idx.shape[-1])
         y = y + shared.reshape(b * s, d).astype(jnp.float32)
         return y.astype(x.dtype).reshape(b, s, d)

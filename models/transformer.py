@@ -15,6 +15,7 @@ import flax.linen as nn
 
 from dsv4_jax.config import Config
 from dsv4_jax.cache import Cache, LayerCache
+from dsv4_jax.ffi.hc_pre_reference import pending_total
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax.mesh_rules import check_batch
 from .attention import Attention, commit_layer
@@ -128,7 +129,7 @@ class MTPBlock(Block):
                 :, :, None, :]
              + Linear(cfg, cfg.dim, cfg.dim, "fp8", self.policy, self.mesh, name="h_proj")(hs))
         x, lcache, _, (f, post, comb) = self.block(x, token_ids, lcache, lengths, num_new)
-        x = hc_post(f, x, post, comb)
+        x = hc_post(pending_total(f), x, post, comb)
         fn, scale, base = _head_params(self, cfg)
         h = hc_head(x, fn, scale, base, cfg.norm_eps, cfg.hc_eps)
         return RMSNorm(cfg.dim, cfg.norm_eps, name="norm")(h), x, lcache
@@ -210,7 +211,7 @@ class DSV4(nn.Module):
             new_layers.append(lcache)
             pendings.append(pending)
         f, post, comb = outgoing
-        x = hc_post(f, x, post, comb)
+        x = hc_post(pending_total(f), x, post, comb)
         logits = self.logits(_select(self.final_norm(x), num_new, logits_at))
         new_cache = cache.replace(layers=tuple(new_layers), lengths=cache.lengths + num_new)
         if cfg.n_mtp_layers and self.is_initializing():     # create the MTP parameters too

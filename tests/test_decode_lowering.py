@@ -103,6 +103,21 @@ def test_every_mhc_pre_is_one_kernel_launch(tokens):
         KernelPolicy(ops=others | {"hc_pre": "xla", "hc_split_sinkhorn": "xla"}), tokens)
 
 
+def test_ffn_sum_in_hc_pre_hands_the_moe_parts_to_the_next_mhc_pre():
+    """With ``KernelPolicy(ffn_sum_in_hc_pre=True)`` every layer after the first starts with
+    an mHC pre kernel that takes the previous MoE's routed rows, their positions and their
+    validity (``FfnSum``), and no launch is added; off, none does."""
+    k = CFG.n_activated_experts
+    parts = (f"tensor<{BATCH * k}x{CFG.dim}xbf16>, tensor<{BATCH * k}xi32>, "
+             f"tensor<{BATCH * k}xi32>")
+    calls = lambda text: [line for line in text.splitlines()  # noqa: E731
+                          if _LAUNCH.search(line)]
+    on, off = _lower(KernelPolicy(ffn_sum_in_hc_pre=True)), _lower(None)
+    assert sum(parts in line for line in calls(on)) == CFG.n_layers - 1
+    assert not any(parts in line for line in calls(off))
+    assert kernel_launches(on) == kernel_launches(off)
+
+
 def test_every_router_is_one_kernel_launch_at_decode():
     """One launch per MoE layer for the router (scores, top-k or hash table, weights), in
     the hash layers as in the others; none with it on its reference, nor for a prefill chunk

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import np_reference as ref
 from dsv4_jax.ffi import hc_pre, hc_pre_reference
+from dsv4_jax.ffi.ffn_sum import FfnSum
 from dsv4_jax.ffi.hc_pre_reference import BF16_X6_MIN_ROWS, hc_post, stream_mixes
 from dsv4_jax.kernels.hc_pre_config import MAX_TOKENS, HcPreSm90Config, choose_config
 
@@ -112,6 +113,54 @@ def _pending(tokens, dim, seed=1, n=N, dtype=jnp.bfloat16):
             jnp.asarray(comb / comb.sum(-1, keepdims=True), jnp.float32))
 
 
+def _ffn_sum(tokens, dim, k, seed=0, shared=None):
+    """An ``FfnSum`` of bf16 rows in a shuffled order, the last row dropped (its bytes NaN:
+    they must count as +0)."""
+    rng = np.random.default_rng(seed)
+    a = tokens * k
+    order = rng.permutation(a)
+    rows = rng.standard_normal((a, dim)) * 3
+    rows[order[-1]] = np.nan
+    valid = np.ones(a, bool)
+    valid[order[-1]] = False
+    if shared is None:
+        shared = jnp.asarray(rng.standard_normal((tokens, dim)), jnp.bfloat16)
+    return FfnSum(jnp.asarray(rows, jnp.bfloat16), jnp.asarray(order, jnp.int32),
+                  jnp.asarray(valid), shared, k)
+
+
+def test_a_pending_ffn_sum_is_its_total():
+    """A pending out given as an ``FfnSum`` is its ``total()`` -- the routed rows of each
+    token in expert order, a dropped row as +0, then the shared row, in f32 -- bit for bit,
+    in the reference and the op's chain."""
+    x, fn, scale, base, weight = _inputs(6, 64)
+    _, post, comb = _pending(6, 64)
+    parts = _ffn_sum(6, 64, 3, seed=2)
+    rows = np.where(np.asarray(parts.valid)[:, None], np.asarray(parts.rows, np.float32), 0)
+    per_token = rows[np.asarray(parts.position)].reshape(6, 3, 64)
+    total = (per_token[:, 0] + per_token[:, 1]) + per_token[:, 2]
+    total = jnp.asarray(total + np.asarray(parts.shared, np.float32)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(parts.total(), total)
+    want = hc_pre_reference(x, fn, scale, base, weight, total, post, comb, **STATIC)
+    for got in (hc_pre_reference(x, fn, scale, base, weight, parts, post, comb, **STATIC),
+                hc_pre(x, fn, scale, base, weight, **STATIC, pending=(parts, post, comb))):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+
+
+def test_a_bad_ffn_sum_names_the_part():
+    x, fn, scale, base, weight = _inputs(6, 64)
+    _, post, comb = _pending(6, 64)
+    parts = _ffn_sum(6, 64, 3)
+    short = FfnSum(parts.rows[:-1], parts.position, parts.valid, parts.shared, 3)
+    with pytest.raises(ValueError, match=r"FfnSum rows must be \[18, 64\] for shared of "
+                                         r"shape \(6, 64\) and k = 3; it has shape \(17, 64\)"):
+        hc_pre(x, fn, scale, base, weight, **STATIC, pending=(short, post, comb))
+    ints = FfnSum(parts.rows, parts.position, parts.valid.astype(jnp.int32), parts.shared, 3)
+    with pytest.raises(TypeError, match="FfnSum position must be int32 and valid bool"):
+        hc_pre(x, fn, scale, base, weight, **STATIC, pending=(ints, post, comb))
+
+
 def test_pending_is_hc_post_then_the_pre():
     """With ``pending`` the op is the previous sub-block's hc_post followed by the pre, bit
     for bit, and returns the updated streams fourth (the reference and the op's chain)."""
@@ -198,7 +247,7 @@ def test_choose_config_aims_at_64_ctas():
     assert not ok and "tokens_per_cluster = 4 with a pending hc_post" in why, why
 
 
-def _compile_ptx(dim, tokens, cluster=8, pending=False):
+def _compile_ptx(dim, tokens, cluster=8, pending=False, summed_k=0):
     pytest.importorskip("cutlass")
     import cutlass
     import cutlass.cute as cute
@@ -207,15 +256,19 @@ def _compile_ptx(dim, tokens, cluster=8, pending=False):
     mixes = (2 + N) * N
     f32 = lambda s: make_fake_compact_tensor(cutlass.Float32, s, assumed_align=16)  # noqa
     bf16 = lambda s: make_fake_compact_tensor(cutlass.BFloat16, s, assumed_align=16)  # noqa
+    i32 = lambda s: make_fake_compact_tensor(cutlass.Int32, s, assumed_align=16)  # noqa
     rows = lambda dtype, shape: dtype(shape if pending else (4,))  # noqa: E731
+    parts = lambda dtype, shape: dtype(shape if summed_k else (4,))  # noqa: E731
     compiled = cute.compile(
         kernel.hc_pre_launcher, make_fake_stream(), bf16((tokens, N * dim)),
         f32((mixes, N * dim)), f32((3,)), f32((mixes,)), bf16((dim,)),
         rows(bf16, (tokens, dim)), rows(f32, (tokens, N)), rows(f32, (tokens, N * N)),
+        parts(bf16, (tokens * summed_k, dim)), parts(i32, (tokens * summed_k,)),
+        parts(i32, (tokens * summed_k,)),
         bf16((tokens, dim)), f32((tokens, N)), f32((tokens, N * N)),
         rows(bf16, (tokens, N * dim)), n=N, dim=dim, tokens=tokens, iters=ITERS,
-        hc_eps=HC_EPS, norm_eps=NORM_EPS, pending=pending, cluster=cluster,
-        tokens_per_cluster=2 if pending else 4)
+        hc_eps=HC_EPS, norm_eps=NORM_EPS, pending=pending, summed_k=summed_k,
+        cluster=cluster, tokens_per_cluster=2 if pending else 4)
     return compiled.artifacts.PTX
 
 
@@ -271,6 +324,38 @@ def test_kernel_with_a_pending_update_compiles_for_sm90a():
     assert ptx.count("ld.global.nc.v2.b32") == 2 * (N + 1) + (N + 1) + 1
     # x_new of 2 tokens, post, comb, out.
     assert ptx.count("st.global") == 2 + 2 + 1
+
+
+def test_kernel_with_a_pending_ffn_sum_compiles_for_sm90a():
+    """A pending out given as its parts (``FfnSum``, k = 6): where the out row was loaded,
+    the shared row and the k routed rows are (each with its position and validity), added
+    in registers; the stores and the rest unchanged; nothing in local memory."""
+    k = 6
+    ptx = _compile_ptx(4096, 8, cluster=16, pending=True, summed_k=k)
+    assert ".target sm_90a" in ptx and ".local" not in ptx
+    # Mix pass: 2 tokens x (4 streams + shared + k rows); collapse: the same once; the norm
+    # weight.
+    assert ptx.count("ld.global.nc.v2.b32") == 2 * (N + 1 + k) + (N + 1 + k) + 1
+    assert ptx.count("st.global") == 2 + 2 + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, k, cluster", [(1, 6, 16), (8, 6, 16), (5, 3, 4)])
+def test_cute_with_a_pending_ffn_sum_equals_it_summed(tokens, k, cluster):
+    """The kernel given a pending ``FfnSum`` (rows in a shuffled order, a dropped row)
+    returns exactly what it returns given the sum, ``FfnSum.total()``: it adds the parts in
+    the same order (every output equal bit for bit)."""
+    from dsv4_jax.ffi import hc_pre_sm90
+    dim = 4096
+    args = _inputs(tokens, dim, seed=tokens + k)
+    out, post, comb = _pending(tokens, dim, seed=tokens)
+    parts = _ffn_sum(tokens, dim, k, seed=tokens, shared=out)
+    config = HcPreSm90Config(cluster, 2)
+    run = jax.jit(lambda a, p: hc_pre_sm90.hc_pre_cute(*a, *p, **STATIC, config=config))
+    got = run(args, (parts, post, comb))
+    want = run(args, (parts.total(), post, comb))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.gpu
