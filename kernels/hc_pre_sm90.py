@@ -30,6 +30,10 @@ cluster owns the contiguous K slice [r K / C, (r + 1) K / C) of the flattened st
    added over the warp, the collapse warps (named barrier 1) and the cluster as in 1; then
    the normalised, weighted row is stored as bf16.
 Tokens of the last group past T load the last token's rows and store nothing.
+With a pending hc_post given as a MoE output's parts (``summed_k`` = k: ``ffi.ffn_sum``),
+wherever the out row's 4 columns are loaded the shared expert's are, and the token's k
+routed rows' (``rows[position[t k + j]]``, +0 where not ``valid``), added in f32 in j order
+and rounded to bf16 -- ``FfnSum.total``'s order and values.
 
 Numerics: f32 throughout; the sums' order (per thread in K order, then lanes, warps and
 CTAs) differs from XLA's, so mixes differ by a few f32 ulps and y, out occasionally by one
@@ -123,8 +127,9 @@ class HcPreSm90(TokenGroupKernel):
                               mXNew, rank, t0, u)
             else:
                 if u < self.k_units:
-                    self.mix_pass(sums, mX, mFn, (mOutP, mPostP, mCombP, mRows, mPos, mValid),
-                              mXNew, rank, t0, u)
+                    self.mix_pass(sums, mX, mFn,
+                                  (mOutP, mPostP, mCombP, mRows, mPos, mValid), mXNew, rank,
+                                  t0, u)
         # The collapse's stream values, loaded now: their latency hides under the sums'
         # exchange (every thread loads, the split warps' loads go unused).
         streams = cute.make_rmem_tensor((self.collapse_passes * self.n * 4,), Float32)
