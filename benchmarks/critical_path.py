@@ -189,6 +189,12 @@ def report(instrs, us_by_op: dict, launch_us: float, top: int) -> str:
     lines = [f"critical path {length:.0f} us over {len(on_path)} launches (launch latency "
              f"{launch_us} us each); all launches {total:.0f} us", "",
              "| module | us on the path | launches |", "|---|---|---|"]
+    buffers = sorted(op for op in us_by_op if op.startswith("command_buffer"))
+    if buffers:
+        # Inside a command buffer the profiler names only the buffer: no op has a time.
+        lines.insert(0, f"warning: the profile timed command buffers ({', '.join(buffers)}), "
+                        f"not their ops: profile without command buffers "
+                        f"(--xla_gpu_enable_command_buffer=; decode_on_device.sh generate)")
     lines += [f"| `{label}` | {us:.1f} | {count[label]} |" for label, us in by.most_common(top)]
     return "\n".join(lines)
 

@@ -62,8 +62,7 @@ def hc_pre_cute(x, fn, scale, base, weight, pending_out=None, pending_post=None,
         # The shared row stands where the out row would; the routed rows are added to it.
         # (valid as int32: a convert beside the experts' launches, off the step's path.)
         summed_k = pending_out.k
-        parts = (pending_out.rows, pending_out.position.astype(jnp.int32),
-                 pending_out.valid.astype(jnp.int32))
+        parts = (pending_out.rows, pending_out.position, pending_out.valid.astype(jnp.int32))
         pending_out = pending_out.shared
     if pending:
         update = (pending_out.reshape(t, d), pending_post.reshape(t, n).astype(jnp.float32),

@@ -80,6 +80,14 @@ def test_chain_lists_the_paths_launches_in_order():
     assert lines[0].endswith("layers_0/layers_0.block/attn/kv/mul")
 
 
+def test_a_profile_of_command_buffers_is_flagged():
+    """Op times that the profiler gave a command buffer, not its ops, leave every launch at
+    0 us: the report says so first."""
+    instrs = critical_path.instructions(critical_path.loop_body(HLO))
+    text = critical_path.report(instrs, {"command_buffer_10": 16.0}, 1.0, 5)
+    assert text.startswith("warning: the profile timed command buffers (command_buffer_10)")
+
+
 def test_an_hlo_without_a_loop_is_refused():
     with pytest.raises(ValueError, match="no while loop"):
         critical_path.loop_body("HloModule m\n")
