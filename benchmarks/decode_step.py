@@ -85,14 +85,16 @@ def sub_stack(params: dict, layers: int) -> dict:
 # --impls variants: the grouped-GEMM policy fields they change.
 VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True}}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
-POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True}}
+POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
+                   "noffnsum": {"ffn_sum_in_hc_pre": False}}
 
 
 def policy_of(value: str) -> KernelPolicy:
     """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/variant]``;
     ``+algorithm`` sets the grouped GEMM's decode kernel, ``+prefill:algorithm`` its prefill
     kernel; ``/unpaired``: a launch per linear, ``/pdl``: the decode kernels as programmatic
-    dependent launches; ``/ffnsum``: each MoE output summed inside the next mHC pre)."""
+    dependent launches; ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
+    mHC pre, or by XLA)."""
     value, _, variant = value.partition("/")
     if variant not in VARIANTS and variant not in POLICY_VARIANTS:
         raise ValueError(f"--impls: {value}/{variant}: the variants are "

@@ -123,15 +123,14 @@ class KernelPolicy:
       FP8 compressed table schedule alike, so their outputs compare bit for bit.
     ffn_sum_in_hc_pre: on one device, each MoE sub-block's output goes to the next mHC pre as
       its parts (``ffi.ffn_sum.FfnSum``: routed rows and shared row), which that op adds --
-      the same bits, one XLA launch fewer per layer on a decode step's critical path. Off
-      by default until the GPU measures it (docs/performance.md, "the step's critical path,
-      measured").
+      the same bits, one XLA launch fewer per layer on a decode step's critical path (on by
+      default; docs/performance.md, "the MoE output summed in the next mHC pre").
     """
     implementation: str | None = None
     ops: tuple[tuple[str, str], ...] = ()
     grouped_gemm: GroupedGemmPolicy = GroupedGemmPolicy()
     sparse_attention: SparseAttentionSm90Config | None = None
-    ffn_sum_in_hc_pre: bool = False
+    ffn_sum_in_hc_pre: bool = True
 
     def __post_init__(self):
         if self.implementation not in (None, REFERENCE, KERNEL):

@@ -104,15 +104,15 @@ def test_every_mhc_pre_is_one_kernel_launch(tokens):
 
 
 def test_ffn_sum_in_hc_pre_hands_the_moe_parts_to_the_next_mhc_pre():
-    """With ``KernelPolicy(ffn_sum_in_hc_pre=True)`` every layer after the first starts with
-    an mHC pre kernel that takes the previous MoE's routed rows, their positions and their
-    validity (``FfnSum``), and no launch is added; off, none does."""
+    """With ``KernelPolicy(ffn_sum_in_hc_pre=True)`` (the default) every layer after the
+    first starts with an mHC pre kernel that takes the previous MoE's routed rows, their
+    positions and their validity (``FfnSum``), and no launch is added; off, none does."""
     k = CFG.n_activated_experts
     parts = (f"tensor<{BATCH * k}x{CFG.dim}xbf16>, tensor<{BATCH * k}xi32>, "
              f"tensor<{BATCH * k}xi32>")
     calls = lambda text: [line for line in text.splitlines()  # noqa: E731
                           if _LAUNCH.search(line)]
-    on, off = _lower(KernelPolicy(ffn_sum_in_hc_pre=True)), _lower(None)
+    on, off = _lower(None), _lower(KernelPolicy(ffn_sum_in_hc_pre=False))
     assert sum(parts in line for line in calls(on)) == CFG.n_layers - 1
     assert not any(parts in line for line in calls(off))
     assert kernel_launches(on) == kernel_launches(off)
