@@ -25,8 +25,12 @@ Contract::
 
 The reference (``ffi/hc_pre_reference.py``) is that chain in XLA; the Hopper kernel
 (``ffi/hc_pre_sm90.py``) runs it in one launch for decode-size inputs (bf16 x, at most
-``kernels.hc_pre_config.MAX_TOKENS`` tokens). Where the kernel does not run, the chain runs
-with the split as its own op (``split_implementation``: its kernel on Hopper).
+``kernels.hc_pre_config.MAX_TOKENS`` tokens); for one cluster's tokens (a batch-1 decode
+step) the split's Sinkhorn chain is a second launch on the mixes it stores
+(``HcPreSm90Config.split_apart``): only the next sub-block's mHC pre reads post and comb, so
+the split is off the step's critical path.
+Where the kernel does not run, the chain runs with the split as its own op
+(``split_implementation``: its kernel on Hopper).
 """
 from __future__ import annotations
 
@@ -50,9 +54,9 @@ def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, nor
     """The mHC pre; see the module docstring. ``implementation``: ``"cute"`` (the Hopper
     kernel; raises when it cannot run), ``"xla"`` (the XLA chain) or None (the kernel when
     lowering for a Hopper GPU and it supports the arguments, else the chain).
-    ``split_implementation``: the split's, inside the chain. ``pending``: the previous
-    sub-block's ``(out, post, comb)`` (``out`` an array or an ``FfnSum``), applied to x
-    first (x_new returned fourth)."""
+    ``split_implementation``: the split op's, in the chain or after the kernel.
+    ``pending``: the previous sub-block's ``(out, post, comb)`` (``out`` an array or an
+    ``FfnSum``), applied to x first (x_new returned fourth)."""
     check_hc_pre_args(x, fn, scale, base, weight, n, iters)
     if pending is not None:
         check_pending(x, pending, n)
@@ -65,7 +69,7 @@ def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, nor
     return dispatch("hc_pre", implementation,
                     lambda: _support(x, fn, scale, base, weight, *(pending or ()), n=n),
                     lambda *a: hc_pre_reference(*a, **static, split=split),
-                    lambda *a: hc_pre_sm90.hc_pre_cute(*a, **static),
+                    lambda *a: hc_pre_sm90.hc_pre_cute(*a, **static, split=split),
                     x, fn, scale, base, weight, *(pending or ()))
 
 

@@ -33,9 +33,14 @@ MAX_SUMMED_ROWS = 16
 @dataclasses.dataclass(frozen=True)
 class HcPreSm90Config:
     """One launch configuration: ``cluster`` CTAs split each token's K = n d mix sums and
-    d columns; each cluster takes ``tokens_per_cluster`` tokens."""
+    d columns; each cluster takes ``tokens_per_cluster`` tokens. ``split_apart``: the kernel
+    stores the mixes and the split (post, comb) is a launch of its own (``hc_split_sinkhorn``)
+    that only the next sub-block's mHC pre waits for -- its Sinkhorn chain, the tail of the
+    fused launch, is then off a decode step's critical path (concurrent commands run it
+    beside the sub-block); False: the split runs inside, on the last warps."""
     cluster: int = 8
     tokens_per_cluster: int = MAX_TOKENS_PER_CLUSTER
+    split_apart: bool = False
 
     def __post_init__(self):
         if self.cluster not in CLUSTERS:
@@ -44,6 +49,9 @@ class HcPreSm90Config:
         if not 1 <= self.tokens_per_cluster <= MAX_TOKENS_PER_CLUSTER:
             raise ValueError(f"HcPreSm90Config: tokens_per_cluster must be in [1, "
                              f"{MAX_TOKENS_PER_CLUSTER}], got {self.tokens_per_cluster}")
+        if not isinstance(self.split_apart, bool):
+            raise TypeError(f"HcPreSm90Config: split_apart must be a bool, got "
+                            f"{type(self.split_apart).__name__}")
 
     def tokens_for(self, tokens: int) -> int:
         """Tokens per cluster of a launch over ``tokens`` (no more than there are)."""
@@ -75,11 +83,14 @@ class HcPreSm90Config:
 def choose_config(tokens: int, dim: int, pending: bool = False) -> HcPreSm90Config:
     """The launch for ``tokens`` rows of width ``dim``: groups of 4 tokens (2 with a pending
     hc_post), clusters as large as ``TARGET_CTAS`` over the groups allows (at least 2, at
-    most 16) that divide the columns in 4-column units."""
+    most 16) that divide the columns in 4-column units; the split apart when the tokens
+    are one group (one cluster, whose Sinkhorn tail would end the launch: a batch-1 step
+    is faster with it apart, a batch-8 one slower, docs/performance.md)."""
     per = MAX_TOKENS_PER_CLUSTER_PENDING if pending else MAX_TOKENS_PER_CLUSTER
     groups = -(-max(tokens, 1) // per)
+    apart = groups == 1
     fitting = [c for c in CLUSTERS if dim % (4 * c) == 0]
     if not fitting:
-        return HcPreSm90Config(1, per)
+        return HcPreSm90Config(1, per, apart)
     aim = max(2, TARGET_CTAS // groups)
-    return HcPreSm90Config(max([c for c in fitting if c <= aim] or fitting[:1]), per)
+    return HcPreSm90Config(max([c for c in fitting if c <= aim] or fitting[:1]), per, apart)

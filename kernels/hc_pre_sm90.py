@@ -23,7 +23,9 @@ cluster owns the contiguous K slice [r K / C, (r + 1) K / C) of the flattened st
 2. The split: the last ceil(TB / (32 / P)) warps (P = n n lanes per token,
    ``split_lanes``) run the Sinkhorn chain; CTA 0 stores ``post`` and ``comb``. They arrive
    at the norm's cluster barrier at once and wait on it at the end, so the chain runs
-   beside step 3.
+   beside step 3. With ``split_apart`` CTA 0 stores the mixes instead (``mix[t]`` above,
+   [T, (2 + n) n] f32: the split kernel's input, the same values) and every warp runs
+   step 3: the chain is left to a launch of its own.
 3. Collapse and norm, on the other warps: each thread takes 4 columns of a token per pass,
    computes the token's ``pre`` gates from the totals (as the split does), rounds y to
    bf16 as the reference does and keeps it in registers; the per-token sums of y^2 are
@@ -70,6 +72,7 @@ class HcPreSm90(TokenGroupKernel):
         self.pending = pending
         # A pending out given as its parts (``ffi.ffn_sum``): k routed rows to add first.
         self.summed_k = summed_k
+        self.split_apart = config.split_apart
         self.all_streams = list(range(n))
         self.hc_eps, self.norm_eps = float(hc_eps), float(norm_eps)
         self.cluster = config.cluster
@@ -84,8 +87,10 @@ class HcPreSm90(TokenGroupKernel):
         self.col_units = dim // self.cluster // 4          # 4-column units of its y slice
         self.out_units = self.tb * self.col_units
         self.lanes = lanes_per_token(n)
-        # The last warps run the split (n n lanes per token), the others the collapse.
-        self.collapse_warps = WARPS - -(-self.tb // (32 // self.lanes))
+        # The last warps run the split (n n lanes per token), the others the collapse; with
+        # the split apart every warp collapses.
+        self.collapse_warps = WARPS - (0 if self.split_apart
+                                       else -(-self.tb // (32 // self.lanes)))
         self.collapse_threads = 32 * self.collapse_warps
         self.collapse_passes = -(-self.out_units // self.collapse_threads)
 
@@ -94,7 +99,8 @@ class HcPreSm90(TokenGroupKernel):
                  mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
                  mCombP: cute.Tensor, mRows: cute.Tensor, mPos: cute.Tensor,
                  mValid: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
-                 mComb: cute.Tensor, mXNew: cute.Tensor, stream: cuda.CUstream):
+                 mComb: cute.Tensor, mXNew: cute.Tensor, mMix: cute.Tensor,
+                 stream: cuda.CUstream):
         padded, tb = self.padded, self.tb
 
         @cute.struct
@@ -108,7 +114,7 @@ class HcPreSm90(TokenGroupKernel):
 
         self.shared_storage = SharedStorage
         launched = self.kernel(mX, mFn, mScale, mBase, mW, mOutP, mPostP, mCombP, mRows, mPos,
-                               mValid, mOut, mPost, mComb, mXNew)
+                               mValid, mOut, mPost, mComb, mXNew, mMix)
         launch(launched, [self.cluster, self.groups, 1], THREADS,
                [self.cluster, 1, 1] if self.cluster > 1 else None, stream)
 
@@ -118,7 +124,7 @@ class HcPreSm90(TokenGroupKernel):
                mBase: cute.Tensor, mW: cute.Tensor, mOutP: cute.Tensor, mPostP: cute.Tensor,
                mCombP: cute.Tensor, mRows: cute.Tensor, mPos: cute.Tensor,
                mValid: cute.Tensor, mOut: cute.Tensor, mPost: cute.Tensor,
-               mComb: cute.Tensor, mXNew: cute.Tensor):
+               mComb: cute.Tensor, mXNew: cute.Tensor, mMix: cute.Tensor):
         tidx, rank, warp, lane, t0, storage, sums = self.start()
         for i in cutlass.range_constexpr(-(-self.k_units // THREADS)):
             u = tidx + i * THREADS
@@ -138,7 +144,11 @@ class HcPreSm90(TokenGroupKernel):
         self.cta_sums(sums, storage.warp_sums, storage.cta_sums, warp, lane)
         totals = self.cluster_sums(storage.cta_sums, storage.totals, self.padded, self.sums,
                                    tidx, THREADS)
-        if warp >= self.collapse_warps:
+        if const_expr(self.split_apart):
+            self.store_mixes(totals, mMix, rank, t0, tidx)
+            self.collapse_and_norm(storage, totals, streams, mScale, mBase, mW, mOut, rank, t0,
+                                   warp, lane, tidx)
+        elif warp >= self.collapse_warps:
             # The split warps publish nothing to the norm's exchange: they arrive at once,
             # and the Sinkhorn chain runs beside the collapse.
             if const_expr(self.cluster > 1):
@@ -323,6 +333,19 @@ class HcPreSm90(TokenGroupKernel):
                 mPost[t, element] = post
 
     @cute.jit
+    def store_mixes(self, totals: cute.Tensor, mMix: cute.Tensor, rank: Int32, t0: Int32,
+                    tidx: Int32):
+        """CTA 0 stores the group's mixes, ``totals`` times the token's rsqrt of its mean
+        square -- the values ``split`` would pass to ``split_lanes`` -- one per thread."""
+        if rank == 0 and tidx < self.tb * self.mixes:
+            slot, i = tidx // self.mixes, tidx % self.mixes
+            if t0 + slot < self.tokens:
+                first = slot * self.per_token
+                rs = cute.math.rsqrt(totals[first + self.mixes] / Float32(self.k)
+                                     + Float32(self.norm_eps))
+                mMix[t0 + slot, i] = totals[first + i] * rs
+
+    @cute.jit
     def collapse_and_norm(self, storage, totals: cute.Tensor, streams: cute.Tensor,
                           mScale: cute.Tensor, mBase: cute.Tensor, mW: cute.Tensor,
                           mOut: cute.Tensor, rank: Int32, t0: Int32, warp: Int32, lane: Int32,
@@ -390,21 +413,24 @@ def hc_pre_launcher(stream: cuda.CUstream, x: cute.Tensor, fn: cute.Tensor, scal
                     pending_post: cute.Tensor, pending_comb: cute.Tensor,
                     pending_rows: cute.Tensor, pending_position: cute.Tensor,
                     pending_valid: cute.Tensor, out: cute.Tensor,
-                    post: cute.Tensor, comb: cute.Tensor, x_new: cute.Tensor, *,
+                    post: cute.Tensor, comb: cute.Tensor, x_new: cute.Tensor,
+                    mixes: cute.Tensor, *,
                     n: cutlass.Constexpr, dim: cutlass.Constexpr, tokens: cutlass.Constexpr,
                     iters: cutlass.Constexpr, hc_eps: cutlass.Constexpr,
                     norm_eps: cutlass.Constexpr, pending: cutlass.Constexpr = False,
                     summed_k: cutlass.Constexpr = 0,
-                    cluster: cutlass.Constexpr = 8, tokens_per_cluster: cutlass.Constexpr = 4):
+                    cluster: cutlass.Constexpr = 8, tokens_per_cluster: cutlass.Constexpr = 4,
+                    split_apart: cutlass.Constexpr = False):
     """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config). Without
     ``pending`` the pending_* inputs and x_new are placeholders the kernel never touches;
     without ``summed_k`` the rows, position and valid ones (else ``pending_out`` is the
     shared expert's row and they are the routed rows of ``ffi.ffn_sum.FfnSum``: rows bf16
-    [T k, d], position and valid int32 [T k])."""
+    [T k, d], position and valid int32 [T k]). With ``split_apart`` post and comb are
+    placeholders and mixes [T, (2 + n) n] f32 is written; without it, the reverse."""
     HcPreSm90(n, dim, tokens, iters, hc_eps, norm_eps,
-              HcPreSm90Config(cluster, tokens_per_cluster), pending, summed_k)(
+              HcPreSm90Config(cluster, tokens_per_cluster, split_apart), pending, summed_k)(
         x, fn, scale, base, weight, pending_out, pending_post, pending_comb, pending_rows,
-        pending_position, pending_valid, out, post, comb, x_new, stream)
+        pending_position, pending_valid, out, post, comb, x_new, mixes, stream)
 
 
 __all__ = ["HcPreSm90", "hc_pre_launcher"]

@@ -87,13 +87,20 @@ def test_fp8_linears_lower_to_the_grouped_gemm_kernels(tokens):
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_every_mhc_pre_is_one_kernel_launch(tokens):
-    """Two sub-blocks per layer (attention, MoE), one launch each: the fused mHC pre
-    (mixes, split, collapse, norm); with it on its XLA chain, the split kernel inside the
-    chain; no launch with both on their references."""
+def test_every_mhc_pre_is_a_kernel_launch_and_one_clusters_split_another(tokens):
+    """Two sub-blocks per layer (attention, MoE), each an mHC pre launch; for one cluster's
+    tokens (a decode step of 2 rows) the split is a launch of its own on the mixes it
+    stores, which only the next mHC pre waits for, and with the split on its reference
+    the mHC pre is alone; 128 rows take the fused launch (mixes, split, collapse, norm).
+    With the mHC pre on its XLA chain, the split kernel is inside the chain; no launch with
+    both on their references."""
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
               "moe_router": "xla"}
     text = _lower(KernelPolicy(ops=others), tokens)
+    apart = BATCH * tokens <= 2
+    assert kernel_launches(text) == (4 if apart else 2) * CFG.n_layers
+    assert "HcPreSm90" in text and ("HcSinkhornSm90" in text) == apart
+    text = _lower(KernelPolicy(ops=others | {"hc_split_sinkhorn": "xla"}), tokens)
     assert kernel_launches(text) == 2 * CFG.n_layers
     assert "HcPreSm90" in text and "HcSinkhornSm90" not in text
     text = _lower(KernelPolicy(ops=others | {"hc_pre": "xla"}), tokens)

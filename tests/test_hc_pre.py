@@ -227,6 +227,8 @@ def test_config_rejects_what_it_cannot_launch():
         HcPreSm90Config(cluster=3)
     with pytest.raises(ValueError, match=r"tokens_per_cluster must be in \[1, 4\], got 5"):
         HcPreSm90Config(tokens_per_cluster=5)
+    with pytest.raises(TypeError, match="split_apart must be a bool, got int"):
+        HcPreSm90Config(split_apart=1)
     assert [HcPreSm90Config().tokens_for(t) for t in (1, 3, 8)] == [1, 3, 4]
 
 
@@ -241,13 +243,16 @@ def test_choose_config_aims_at_64_ctas():
     # A pending hc_post: groups of 2 tokens, and the 4-token config is refused.
     assert choose_config(8, 4096, pending=True) == HcPreSm90Config(16, 2)
     assert choose_config(64, 4096, pending=True) == HcPreSm90Config(2, 2)
+    # One cluster's tokens (2 with a pending hc_post, else 4): the split apart.
+    assert choose_config(2, 4096, pending=True) == HcPreSm90Config(16, 2, split_apart=True)
+    assert [choose_config(t, 4096).split_apart for t in (1, 4, 5)] == [True, True, False]
     ok, why = HcPreSm90Config(16, 4).is_supported(
         n=N, dim=4096, tokens=8, x_dtype="bfloat16", fn_dtype="float32",
         weight_dtype="bfloat16", pending=True)
     assert not ok and "tokens_per_cluster = 4 with a pending hc_post" in why, why
 
 
-def _compile_ptx(dim, tokens, cluster=8, pending=False, summed_k=0):
+def _compile_ptx(dim, tokens, cluster=8, pending=False, summed_k=0, split_apart=False):
     pytest.importorskip("cutlass")
     import cutlass
     import cutlass.cute as cute
@@ -265,10 +270,11 @@ def _compile_ptx(dim, tokens, cluster=8, pending=False, summed_k=0):
         rows(bf16, (tokens, dim)), rows(f32, (tokens, N)), rows(f32, (tokens, N * N)),
         parts(bf16, (tokens * summed_k, dim)), parts(i32, (tokens * summed_k,)),
         parts(i32, (tokens * summed_k,)),
-        bf16((tokens, dim)), f32((tokens, N)), f32((tokens, N * N)),
-        rows(bf16, (tokens, N * dim)), n=N, dim=dim, tokens=tokens, iters=ITERS,
-        hc_eps=HC_EPS, norm_eps=NORM_EPS, pending=pending, summed_k=summed_k,
-        cluster=cluster, tokens_per_cluster=2 if pending else 4)
+        bf16((tokens, dim)), f32((4,) if split_apart else (tokens, N)),
+        f32((4,) if split_apart else (tokens, N * N)), rows(bf16, (tokens, N * dim)),
+        f32((tokens, mixes) if split_apart else (4,)), n=N, dim=dim, tokens=tokens,
+        iters=ITERS, hc_eps=HC_EPS, norm_eps=NORM_EPS, pending=pending, summed_k=summed_k,
+        cluster=cluster, tokens_per_cluster=2 if pending else 4, split_apart=split_apart)
     return compiled.artifacts.PTX
 
 
@@ -293,6 +299,45 @@ def test_kernel_compiles_for_sm90a(dim, tokens):
     collapse_threads = 32 * (8 - -(-tb // 2))       # the last warps run the split
     out_passes = -(-(tb * dim // 8 // 4) // collapse_threads)
     assert ptx.count("st.global") == 2 + out_passes
+
+
+def test_kernel_with_the_split_apart_compiles_for_sm90a():
+    """``split_apart``: the mixes are stored once (no post and comb: no Sinkhorn chain, no
+    reciprocal), every warp collapses (one pass of 256 threads over the CTA's columns), the
+    loads and exchanges are the fused kernel's; nothing in local memory."""
+    ptx = str(_compile_ptx(4096, 8, cluster=16, pending=True, summed_k=6, split_apart=True))
+    fused = _compile_ptx(4096, 8, cluster=16, pending=True, summed_k=6)
+    assert ".target sm_90a" in ptx and ".local" not in ptx
+    # The Sinkhorn chain (its lanes' shfl.idx gathers and reciprocals) is not in it.
+    for op in ("shfl.sync.idx", "rcp.rn.f32"):
+        assert 10 * ptx.count(op) < fused.count(op), op
+    # x_new of 2 tokens, the mixes, out.
+    assert ptx.count("st.global") == 2 + 1 + 1
+    for op in ("ld.global.nc.v2.b32", "ld.global.nc.L1::no_allocate.v4.f32",
+               "ld.shared::cluster.f32"):
+        assert ptx.count(op) == fused.count(op), op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, pending, cluster", [(1, True, 16), (8, True, 16),
+                                                      (3, False, 4), (64, True, 2)])
+def test_cute_with_the_split_apart_equals_it_fused(tokens, pending, cluster):
+    """The split as a launch of its own on the stored mixes gives the fused kernel's
+    outputs bit for bit (the same values through the same ``split_lanes``)."""
+    from dsv4_jax.ffi import hc_pre_sm90
+    dim = 4096
+    args = _inputs(tokens, dim, seed=tokens)
+    extra = _pending(tokens, dim, seed=tokens) if pending else ()
+    if pending:
+        extra = (_ffn_sum(tokens, dim, 6, seed=tokens, shared=extra[0]),) + extra[1:]
+    outs = []
+    for apart in (True, False):
+        config = HcPreSm90Config(cluster, 2, split_apart=apart)
+        outs.append(jax.jit(lambda a, p, c=config: hc_pre_sm90.hc_pre_cute(
+            *a, *p, **STATIC, config=c))(args, extra))
+    assert len(outs[0]) == (4 if pending else 3)
+    for g, w in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @pytest.mark.gpu
