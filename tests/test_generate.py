@@ -112,6 +112,24 @@ def test_speculative_greedy_equals_plain_greedy(vocab):
         assert_speculative_stream_matches(model, params, prompts, spec)
 
 
+@pytest.mark.parametrize("vocab", [6, CFG.vocab_size])
+def test_speculative_greedy_equals_plain_greedy_past_the_window(vocab):
+    """A prompt longer than the window (verify steps read a wrapped ring), verify steps across
+    CSA (4) and HCA (128) block ends (positions 250..262), a short row beside it; float32, so
+    an S = 2 verify and an S = 1 decode step agree to rounding (in BF16 a router near-tie can
+    turn an ulp into another token)."""
+    cfg = CFG.replace(vocab_size=vocab, eos_token_id=0)
+    model, params = dj.DSV4(cfg), dj.init_params(cfg, 0)
+    prompts = [[(3 + 7 * i) % vocab for i in range(250)], [5 % vocab, 6 % vocab, 7 % vocab]]
+    plain = generate(model, params, prompts, 12, stop_tokens=(), logprobs=True)
+    spec = generate(model, params, prompts, 12, stop_tokens=(), speculative=True, logprobs=True)
+    assert spec.tokens == plain.tokens
+    for got, want in zip(spec.logprobs, plain.logprobs):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    if vocab == 6:
+        assert spec.stats["accepted"] > 0, spec.stats
+
+
 def assert_speculative_stream_matches(model, params, prompts, result):
     """Streaming speculative decoding yields, step by step, the tokens each verify step kept
     (one or two per row) -- together those of generate -- with their logprobs; a row is
