@@ -86,7 +86,8 @@ def sub_stack(params: dict, layers: int) -> dict:
 VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True}}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
-                   "noffnsum": {"ffn_sum_in_hc_pre": False}}
+                   "noffnsum": {"ffn_sum_in_hc_pre": False},
+                   "qrope": {"attention_rope": True}}
 
 
 def policy_of(value: str) -> KernelPolicy:
@@ -94,7 +95,8 @@ def policy_of(value: str) -> KernelPolicy:
     ``+algorithm`` sets the grouped GEMM's decode kernel, ``+prefill:algorithm`` its prefill
     kernel; ``/unpaired``: a launch per linear, ``/pdl``: the decode kernels as programmatic
     dependent launches; ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
-    mHC pre, or by XLA)."""
+    mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
+    inside the attention op)."""
     value, _, variant = value.partition("/")
     if variant not in VARIANTS and variant not in POLICY_VARIANTS:
         raise ValueError(f"--impls: {value}/{variant}: the variants are "

@@ -125,12 +125,17 @@ class KernelPolicy:
       its parts (``ffi.ffn_sum.FfnSum``: routed rows and shared row), which that op adds --
       the same bits, one XLA launch fewer per layer on a decode step's critical path (on by
       default; docs/performance.md, "the MoE output summed in the next mHC pre").
+    attention_rope: the heads' RMSNorm, the query RoPE and the output's inverse RoPE inside
+      the attention op (``sparse_attention(..., rope=, q_norm_eps=)``: the kernel's prologue
+      and epilogue), not three XLA launches around it -- the same bits on the reference.
+      Off by default until the GPU times it (docs/performance.md).
     """
     implementation: str | None = None
     ops: tuple[tuple[str, str], ...] = ()
     grouped_gemm: GroupedGemmPolicy = GroupedGemmPolicy()
     sparse_attention: SparseAttentionSm90Config | None = None
     ffn_sum_in_hc_pre: bool = True
+    attention_rope: bool = False
 
     def __post_init__(self):
         if self.implementation not in (None, REFERENCE, KERNEL):
@@ -143,9 +148,10 @@ class KernelPolicy:
         if not isinstance(self.sparse_attention, (SparseAttentionSm90Config, type(None))):
             raise TypeError(f"KernelPolicy: sparse_attention must be a SparseAttentionSm90Config "
                             f"or None, got {type(self.sparse_attention).__name__}")
-        if not isinstance(self.ffn_sum_in_hc_pre, bool):
-            raise TypeError(f"KernelPolicy: ffn_sum_in_hc_pre must be a bool, got "
-                            f"{type(self.ffn_sum_in_hc_pre).__name__}")
+        for name in ("ffn_sum_in_hc_pre", "attention_rope"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelPolicy: {name} must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
 
     def implementation_for(self, op: str) -> str | None:
         """The implementation ``op`` runs under this policy (``ops`` first, then the default).

@@ -8,7 +8,7 @@ configuration is a ``SparseAttentionSm90Config`` (``kernels/sparse_attention_con
 Contract::
 
     sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
-                     scale, implementation=None) -> (o, lse)
+                     rope=None, q_norm_eps=None, scale, implementation=None) -> (o, lse)
 
     q:         [T, H, D]  query tokens (T = batch x step), D = 512 for DSV4
     kv:        [N, D]     flat pool of window entries (all rows' rings + new entries)
@@ -22,6 +22,16 @@ Contract::
                           the kernel's work stops at it, so a long cache's unused tail costs
                           nothing
     sink:      [H]        f32 per-head sink logit, in the denominator only
+    rope:      (cos, sin) optional f32 [T, r / 2] each (``ffi.rope.rope_table`` of the
+                          tokens' positions): the queries' last r channels are rotated
+                          (interleaved pairs) before they attend and the output's rotated
+                          back after -- DSV4's query RoPE and inverse output RoPE
+    q_norm_eps:           optional float: the queries are first normalised per head
+                          (``ffi.rope.head_rms_norm``, weightless, in q's dtype)
+
+With ``rope`` and ``q_norm_eps`` the op takes the queries as the projection writes them and
+does the model's three XLA passes around attention itself (on the kernel: in its prologue
+and epilogue, no launch of their own).
 
     o[t,h]   = sum_k e^{l_k} v_k / (sum_k e^{l_k} + e^{sink_h}),  l_k = scale * q[t,h].kv[k]
     lse[t,h] = log sum_k e^{l_k}   (natural log, over attended entries, sink excluded)
@@ -47,6 +57,7 @@ from dsv4_jax.kernels.sparse_attention_config import (DEFAULT_CONFIG,
                                                       choose_num_splits)
 from .dispatch import dispatch
 from .registry import OpSpec, register
+from .rope import head_rms_norm, rotate_tail
 
 __all__ = ["sparse_attention", "sparse_attention_reference", "sparse_attention_cute",
            "check_sparse_attention_args", "SparseAttentionSm90Config"]
@@ -61,8 +72,9 @@ def _describe(name, x):
 
 
 def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None,
-                                extra_len=None):
+                                extra_len=None, rope=None, q_norm_eps=None):
     """Raise ``TypeError``/``ValueError`` naming the argument when shapes or dtypes are wrong."""
+    _check_query_prep(q, rope, q_norm_eps)
     if q.ndim != 3:
         raise ValueError(f"sparse_attention: q must be [T, H, D]; {_describe('q', q)}")
     t, h, d = q.shape
@@ -115,6 +127,38 @@ def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None,
                             f"{_describe('extra_len', extra_len)}")
 
 
+def _check_query_prep(q, rope, q_norm_eps):
+    if q_norm_eps is not None and not isinstance(q_norm_eps, (int, float)):
+        raise TypeError(f"sparse_attention: q_norm_eps must be a Python float or None, got "
+                        f"{type(q_norm_eps).__name__}")
+    if rope is None:
+        return
+    if not isinstance(rope, (tuple, list)) or len(rope) != 2:
+        raise TypeError(f"sparse_attention: rope must be a (cos, sin) pair of arrays, got "
+                        f"{type(rope).__name__}")
+    cos, sin = rope
+    t, _, d = q.shape
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.ndim != 2 or a.shape[0] != t or not 0 < 2 * a.shape[1] <= d:
+            raise ValueError(f"sparse_attention: rope {name} must be [T={t}, r/2] with "
+                             f"0 < r <= {d}; {_describe(name, a)}")
+        if a.dtype != jnp.float32:
+            raise TypeError(f"sparse_attention: rope {name} must be float32; "
+                            f"{_describe(name, a)}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"sparse_attention: rope cos and sin must have one shape; "
+                         f"{_describe('cos', cos)}, {_describe('sin', sin)}")
+
+
+def prepare_queries(q, rope=None, q_norm_eps=None):
+    """The queries as they attend: per-head RMSNorm (``q_norm_eps``), then RoPE (``rope``)."""
+    if q_norm_eps is not None:
+        q = head_rms_norm(q, q_norm_eps)
+    if rope is not None:
+        q = rotate_tail(q, rope[0][:, None, :], rope[1][:, None, :])
+    return q
+
+
 def _gather(pool, idx, head_dim, dtype):
     """Rows ``idx`` [t, K] of ``pool`` ([t, K, D] keys, FP8 entry rows decoded) and which
     slots are used; an unused slot reads row 0 (masked by the caller)."""
@@ -155,10 +199,19 @@ def bounded_extra_idx(extra_idx, extra_len):
 
 
 def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=None,
-                               extra_len=None, scale):
+                               extra_len=None, rope=None, q_norm_eps=None, scale):
     """Pure-JAX definition of the op (runs anywhere). Same contract as ``sparse_attention``.
     Only the rows a token selects are gathered (and, for FP8 entry rows, decoded)."""
-    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len)
+    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len, rope,
+                                q_norm_eps)
+    q = prepare_queries(q, rope, q_norm_eps)
+    o, lse = _attend_all(q, kv, idx, sink, extra_kv, extra_idx, extra_len, scale)
+    if rope is not None:
+        o = rotate_tail(o, rope[0][:, None, :], rope[1][:, None, :], inverse=True)
+    return o, lse
+
+
+def _attend_all(q, kv, idx, sink, extra_kv, extra_idx, extra_len, scale):
     if extra_len is not None:
         extra_idx = bounded_extra_idx(extra_idx, extra_len)
     pools = [kv] if extra_kv is None else [kv, extra_kv]
@@ -180,8 +233,9 @@ def sparse_attention_reference(q, kv, idx, sink, *, extra_kv=None, extra_idx=Non
     return o.reshape(-1, *q.shape[1:])[:t], lse.reshape(-1, q.shape[1])[:t]
 
 
-def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None, scale,
-             config: SparseAttentionSm90Config = DEFAULT_CONFIG, **_) -> tuple[bool, str]:
+def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None, rope=None,
+             q_norm_eps=None, scale, config: SparseAttentionSm90Config = DEFAULT_CONFIG,
+             **_) -> tuple[bool, str]:
     """``config.is_supported`` for these arguments; imports no cutlass."""
     try:
         float(scale)
@@ -192,11 +246,14 @@ def _support(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
         num_tokens=q.shape[0], window_slots=idx.shape[1], pool_rows=kv.shape[0],
         extra_slots=0 if extra_idx is None else extra_idx.shape[1],
         extra_rows=1 if extra_kv is None else extra_kv.shape[0],
-        extra_entry_bytes=(extra_kv.shape[1] if kv_entry.is_fp8_table(extra_kv) else None))
+        extra_entry_bytes=(extra_kv.shape[1] if kv_entry.is_fp8_table(extra_kv) else None),
+        rope_dim=None if rope is None else 2 * rope[0].shape[1],
+        q_norm=q_norm_eps is not None)
 
 
 def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
-                          scale, config: SparseAttentionSm90Config | None = None):
+                          rope=None, q_norm_eps=None, scale,
+                          config: SparseAttentionSm90Config | None = None):
     """The Hopper kernel (``kernels/sparse_attention_sm90_kernel.py``) as an XLA custom call.
 
     ``config``: a ``SparseAttentionSm90Config`` (default: ``DEFAULT_CONFIG``); its
@@ -209,10 +266,11 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, ex
     from .cute_call import cute_call
     from dsv4_jax.kernels import sparse_attention_sm90_kernel as kernel
 
-    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len)
+    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len, rope,
+                                q_norm_eps)
     config = DEFAULT_CONFIG if config is None else config
-    ok, reason = _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
-                          scale=scale, config=config)
+    ok, reason = _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx, rope=rope,
+                          q_norm_eps=q_norm_eps, scale=scale, config=config)
     if not ok:
         raise ValueError(f"sparse_attention: the kernel does not take these arguments: {reason}")
     t, h, d = q.shape
@@ -233,12 +291,16 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, ex
                   jax.ShapeDtypeStruct((t, h), jnp.float32),
                   jax.ShapeDtypeStruct(part_o, jnp.float32),
                   jax.ShapeDtypeStruct(part_lse, jnp.float32))
+    q_prep = rope is not None
+    if not q_prep:                  # stand-ins, never read (q_prep=False)
+        rope = (jnp.zeros((1, 1), jnp.float32),) * 2
     static = dict(num_heads=h, softmax_scale=float(scale), num_splits=splits,
                   has_extra=has_extra, extra_fp8=kv_entry.is_fp8_table(extra_kv),
                   block_n=launch.block_n, num_stages=launch.num_stages,
                   qk_split=launch.qk_split, ablation=launch.ablation,
-                  has_extra_len=has_extra_len)
-    inputs = (q, kv, idx, extra_kv, extra_idx, extra_len, sink.astype(jnp.float32))
+                  has_extra_len=has_extra_len, q_prep=q_prep,
+                  norm_eps=float(q_norm_eps) if q_prep else 0.0)
+    inputs = (q, kv, idx, extra_kv, extra_idx, extra_len, sink.astype(jnp.float32), *rope)
     if launch.poison is None:
         o, lse, _, _ = cute_call(kernel.sparse_attention_launcher, out_shapes, *inputs,
                                  **static)
@@ -251,7 +313,7 @@ def sparse_attention_cute(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, ex
 
 
 def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_len=None,
-                     scale, implementation=None,
+                     rope=None, q_norm_eps=None, scale, implementation=None,
                      config: SparseAttentionSm90Config | None = None):
     """Sparse MQA attention with sink; see the module docstring for the contract.
 
@@ -260,25 +322,32 @@ def sparse_attention(q, kv, idx, sink, *, extra_kv=None, extra_idx=None, extra_l
     ``"xla"`` (the pure-JAX reference) or ``None`` (the kernel when lowering for a Hopper GPU
     and it supports the arguments, else the reference).
     """
-    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len)
+    check_sparse_attention_args(q, kv, idx, sink, extra_kv, extra_idx, extra_len, rope,
+                                q_norm_eps)
     if not isinstance(config, (SparseAttentionSm90Config, type(None))):
         raise TypeError(f"sparse_attention: config must be a SparseAttentionSm90Config or None, "
                         f"got {type(config).__name__}")
     config = DEFAULT_CONFIG if config is None else config
+    pair = lambda cos, sin: None if cos is None else (cos, sin)  # noqa: E731
 
-    def reference(q, kv, idx, sink, extra_kv, extra_idx, extra_len):
+    def reference(q, kv, idx, sink, extra_kv, extra_idx, extra_len, cos, sin):
         return sparse_attention_reference(q, kv, idx, sink, extra_kv=extra_kv,
                                           extra_idx=extra_idx, extra_len=extra_len,
+                                          rope=pair(cos, sin), q_norm_eps=q_norm_eps,
                                           scale=scale)
 
-    def kernel(q, kv, idx, sink, extra_kv, extra_idx, extra_len):
+    def kernel(q, kv, idx, sink, extra_kv, extra_idx, extra_len, cos, sin):
         return sparse_attention_cute(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
-                                     extra_len=extra_len, scale=scale, config=config)
+                                     extra_len=extra_len, rope=pair(cos, sin),
+                                     q_norm_eps=q_norm_eps, scale=scale, config=config)
 
+    cos, sin = (None, None) if rope is None else rope
     return dispatch("sparse_attention", implementation,
                     lambda: _support(q, kv, idx, sink, extra_kv=extra_kv, extra_idx=extra_idx,
-                                     scale=scale, config=config),
-                    reference, kernel, q, kv, idx, sink, extra_kv, extra_idx, extra_len)
+                                     rope=rope, q_norm_eps=q_norm_eps, scale=scale,
+                                     config=config),
+                    reference, kernel, q, kv, idx, sink, extra_kv, extra_idx, extra_len, cos,
+                    sin)
 
 
 register(OpSpec("sparse_attention", sparse_attention_reference, _support))

@@ -21,6 +21,9 @@ FP8_NOPE_DIM = 448
 FP8_ROPE_OFFSET = 448
 FP8_SCALE_OFFSET = 576
 FP8_ENTRY_BYTES = 584
+# The query preparation the kernel takes (``q_prep``: the heads' RMSNorm and RoPE of the
+# queries, the inverse RoPE of the output) rotates the last ROPE_DIM channels of a head.
+ROPE_DIM = 64
 # Benchmark-only variants that leave one stage out, to see where the time goes; their
 # outputs are wrong by design.
 ABLATIONS = ("", "no_gather", "no_qk", "no_softmax", "no_pv")
@@ -82,9 +85,12 @@ class SparseAttentionSm90Config:
     def is_supported(self, *, dtype: str, head_dim: int, num_heads: int, num_tokens: int,
                      window_slots: int, pool_rows: int, extra_slots: int = 0,
                      extra_rows: int = 1,
-                     extra_entry_bytes: int | None = None) -> tuple[bool, str]:
+                     extra_entry_bytes: int | None = None, rope_dim: int | None = None,
+                     q_norm: bool = False) -> tuple[bool, str]:
         """Whether the kernel handles these shapes: ``(True, "")`` or ``(False, reason)``.
-        ``extra_entry_bytes``: the row width of an FP8 second pool (None: same dtype as q)."""
+        ``extra_entry_bytes``: the row width of an FP8 second pool (None: same dtype as q);
+        ``rope_dim``, ``q_norm``: the query preparation asked for (rotated channels; the
+        heads' norm), which the kernel does as a whole or not at all."""
         if dtype != "bfloat16":
             return False, f"dtype {dtype} (the kernel is bf16 only)"
         if head_dim != HEAD_DIM:
@@ -106,6 +112,10 @@ class SparseAttentionSm90Config:
             return False, ("qk_split=True with an FP8 second pool (the producer's late commit "
                            "and the split QK^T's look-ahead would hold both stages; use "
                            "qk_split None or False)")
+        if (rope_dim is not None or q_norm) and (rope_dim != ROPE_DIM or not q_norm):
+            return False, (f"a query preparation of rope_dim {rope_dim} with"
+                           f"{'' if q_norm else 'out'} the heads' norm (the kernel does both, "
+                           f"rope_dim {ROPE_DIM})")
         return True, ""
 
 

@@ -1,10 +1,10 @@
 """The split-combine kernel of ``sparse_attention_config`` (flash-decoding merge), a mixin of
-``SparseAttentionSm90``: it reads ``self.num_splits`` and ``self.num_heads``."""
+``SparseAttentionSm90``: it reads ``self.num_splits``, ``self.num_heads`` and ``self.q_prep``."""
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from .sparse_attention_config import HEAD_DIM
 
@@ -13,9 +13,12 @@ class SplitCombine:
     """``combine_kernel``: one warp per (token, head) row, 128 threads per CTA."""
 
     @cute.kernel
-    def combine_kernel(self, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-                       mOPart: cute.Tensor, mLsePart: cute.Tensor):
-        """Merge the splits of one (token, head) row per warp, adding the sink."""
+    def combine_kernel(self, mSink: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor,
+                       mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor,
+                       mLsePart: cute.Tensor):
+        """Merge the splits of one (token, head) row per warp, adding the sink; with
+        ``q_prep`` the row's last RoPE channels rotated back (``QueryRope.rotate_back``:
+        a lane holds 4 consecutive channels, two whole pairs)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp = tidx // 32
@@ -47,8 +50,12 @@ class SplitCombine:
                     for e in cutlass.range_constexpr(4):
                         acc[v * 4 + e] = acc[v * 4 + e] + w * vals[e]
             for v in cutlass.range_constexpr(HEAD_DIM // 128):
+                vals = [acc[v * 4 + e] if total > 0.0 else Float32(0.0) for e in range(4)]
                 for e in cutlass.range_constexpr(4):
-                    val = acc[v * 4 + e] if total > 0.0 else Float32(0.0)
+                    val = vals[e]
+                    if const_expr(self.q_prep and v == HEAD_DIM // 128 - 1):
+                        val = self.rotate_back(vals[e], vals[e ^ 1], v * 128 + lane * 4 + e,
+                                               t, mCos, mSin)
                     mO[t, h, v * 128 + lane * 4 + e] = val.to(mO.element_type)
             if lane == 0:
                 mLse[t, h] = (shift + cute.math.log(total, fastmath=True)

@@ -19,6 +19,8 @@ Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups WG1, WG2
    their bytes are copied into the same tile and widened to BF16 in place by the producer
    before the block is committed, one block behind its copies (``Fp8EntryGather``), so the
    math warpgroups see exactly the BF16 rows the rows encode.
+   With ``q_prep`` the producer copies no Q: the math warpgroups load it, apply the heads'
+   RMSNorm and the RoPE of its last 64 channels and write the tile (``QueryRope``).
 2. S = Q K^T (WGMMA m64 x block_n, A = Q and B = entries from smem), in one of two ways:
    * split (``qk_split``; the default without flash-decoding splits or FP8 rows, refused with
      those: it would deadlock against their late commit): math warpgroup w
@@ -39,7 +41,9 @@ Dataflow (384 threads: a producer warpgroup WG0 and two math warpgroups WG1, WG2
 5. Epilogue. Without a split the sink joins the denominator and ``o`` (bf16) and ``lse`` are
    written. With ``num_splits > 1`` each CTA writes its split's normalised fp32 partial and
    its lse, and a second kernel launched by the same launcher merges the splits. Output
-   tiles go through the (then idle) stage buffers so that global stores are 16 B chunks.
+   tiles go through the (then idle) stage buffers so that global stores are 16 B chunks
+   (``OutputEpilogue``). With ``q_prep`` the output's last 64 channels are rotated back
+   before their bf16 store, in the epilogue or the merge.
 
 Constraints:
 * sm_90a (WGMMA, setmaxnreg, cp.async); bf16 only; head_dim == 512.
@@ -65,7 +69,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import copy16, cp_async_arrive, half_warp_rows, row_copy_atom
 from .sparse_attention_sm90_combine import SplitCombine
+from .sparse_attention_sm90_epilogue import LOG2_E, OutputEpilogue
 from .sparse_attention_sm90_fp8 import Fp8EntryGather
+from .sparse_attention_sm90_rope import QueryRope
 from .sparse_attention_config import (DEFAULT_CONFIG, FP8_ENTRY_BYTES, HEAD_BLOCK, HEAD_DIM,
                                     SMEM_BYTES, SparseAttentionSm90Config)
 
@@ -77,21 +83,20 @@ PRODUCER_REGS, MATH_REGS = 72, 216
 assert PRODUCER_REGS + 2 * MATH_REGS <= 3 * (65536 // NUM_THREADS // 8 * 8)
 ORDER_BARRIER = 1               # named barriers 1 and 2: GEMM issue turns of WG1 and WG2
 JOIN_BARRIER = 3                # both math warpgroups done with the stages
-STORE_BARRIER = 4               # 4 and 5: a math warpgroup's output tile is staged
 FULL_BARRIER = 6                # split QK^T: both partial score blocks are in smem
 EMPTY_BARRIER = 7               # 7 and 8: warpgroup w's exchange buffer was read
-# named barrier 9: the producer's FP8 copies of a block landed (sparse_attention_sm90_fp8)
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
+# named barriers 4 and 5: the output tiles (sparse_attention_sm90_epilogue); 9: the
+# producer's FP8 copies of a block landed (sparse_attention_sm90_fp8); 10: the prepared Q
+# tile (sparse_attention_sm90_rope)
 
 
-class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
+class SparseAttentionSm90(SplitCombine, Fp8EntryGather, QueryRope, OutputEpilogue):
     """Static configuration of one compiled kernel (see the module docstring)."""
 
     def __init__(self, num_heads: int, softmax_scale: float, num_splits: int = 1,
                  has_extra: bool = True, ablation: str = "", block_n: int = 64,
                  num_stages: int = 2, qk_split: bool = False, extra_fp8: bool = False,
-                 has_extra_len: bool = False):
+                 has_extra_len: bool = False, q_prep: bool = False, norm_eps: float = 0.0):
         # raises ValueError for a configuration (or ablation) the kernel does not offer
         config = SparseAttentionSm90Config(block_n, num_stages, qk_split, ablation)
         assert config.smem_bytes() <= SMEM_BYTES
@@ -109,14 +114,17 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
         self.has_extra_len = has_extra_len and has_extra
         self.block_n = block_n
         self.num_stages = num_stages
+        self.q_prep = q_prep
+        self.norm_eps = float(norm_eps)
         self.dtype = cutlass.BFloat16
 
     # ------------------------------------------------------------------ host
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
                  mXKV: cute.Tensor, mXIdx: cute.Tensor, mXLen: cute.Tensor,
-                 mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor,
-                 mLsePart: cute.Tensor, stream: cuda.CUstream):
+                 mSink: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor, mO: cute.Tensor,
+                 mLse: cute.Tensor, mOPart: cute.Tensor, mLsePart: cute.Tensor,
+                 stream: cuda.CUstream):
         bn, stages = self.block_n, self.num_stages
         # S = Q K^T: 64 heads x block_n entries, K = head_dim, both operands from smem.
         tiled_mma_s = sm90_utils.make_trivial_tiled_mma(
@@ -152,21 +160,22 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
 
         self.shared_storage = SharedStorage
         num_tokens = mQ.shape[0]
-        self.kernel(mQ, mKV, mIdx, mXKV, mXIdx, mXLen, mSink, mO, mLse, mOPart, mLsePart,
-                    tiled_mma_s, tiled_mma_o, sQ_layout, sK_layout, sV_layout).launch(
+        self.kernel(mQ, mKV, mIdx, mXKV, mXIdx, mXLen, mSink, mCos, mSin, mO, mLse, mOPart,
+                    mLsePart, tiled_mma_s, tiled_mma_o, sQ_layout, sK_layout,
+                    sV_layout).launch(
             grid=[self.num_splits, self.num_head_blocks, num_tokens],
             block=[NUM_THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
         if const_expr(self.num_splits > 1):
             rows = num_tokens * self.num_heads
-            self.combine_kernel(mSink, mO, mLse, mOPart, mLsePart).launch(
+            self.combine_kernel(mSink, mCos, mSin, mO, mLse, mOPart, mLsePart).launch(
                 grid=[(rows + 3) // 4, 1, 1], block=[128, 1, 1], stream=stream)
 
     # ---------------------------------------------------------------- device
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
                mXKV: cute.Tensor, mXIdx: cute.Tensor, mXLen: cute.Tensor, mSink: cute.Tensor,
-               mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor, mLsePart: cute.Tensor,
-               tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
+               mCos: cute.Tensor, mSin: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
+               mOPart: cute.Tensor, mLsePart: cute.Tensor, tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()
@@ -206,9 +215,11 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
                          storage.sKV.data_ptr().toint(), storage.sScale.data_ptr().toint())
         else:
             cute.arch.setmaxregister_increase(MATH_REGS)
-            self.consume(mSink, mO, mLse, mOPart, mLsePart, t, hb, split, n_local, wg - 1,
-                         tidx % 128, sQ, sK, sV, sValid, kv_pipe, tiled_mma_s, tiled_mma_o,
-                         storage.sKV.data_ptr(), storage.sX.data_ptr())
+            if const_expr(self.q_prep):
+                self.prepare_q(mQ, mCos, mSin, t, hb, sQ, tidx - 128)
+            self.consume(mSink, mCos, mSin, mO, mLse, mOPart, mLsePart, t, hb, split, n_local,
+                         wg - 1, tidx % 128, sQ, sK, sV, sValid, kv_pipe, tiled_mma_s,
+                         tiled_mma_o, storage.sKV.data_ptr(), storage.sX.data_ptr())
 
     @cute.jit
     def produce(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
@@ -226,15 +237,15 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
         sK_vec = cute.flat_divide(sK, (1, 8))[0, None, None, None, None]
         sQ_vec = cute.flat_divide(sQ, (1, 8))[0, None, None, None]
 
-        q_base = mQ.iterator.toint() + (t * self.num_heads + hb * HEAD_BLOCK).to(Int64) * (
-            HEAD_DIM * 2)
-        for i in cutlass.range_constexpr(HEAD_BLOCK // 8):
-            row = row0 + 8 * i
-            for c in cutlass.range_constexpr(4):
-                chunk = chunk0 + 16 * c
-                copy16(atom_cp, self.dtype,
-                       q_base + (row * HEAD_DIM + chunk * 8).to(Int64) * 2,
-                       sQ_vec[None, row, chunk])
+        if const_expr(not self.q_prep):     # else the math warpgroups write Q (QueryRope)
+            q_base = mQ.iterator.toint() + (t * self.num_heads + hb * HEAD_BLOCK).to(Int64) * (
+                HEAD_DIM * 2)
+            for i in cutlass.range_constexpr(HEAD_BLOCK // 8):
+                for c in cutlass.range_constexpr(4):
+                    copy16(atom_cp, self.dtype,
+                           q_base + ((row0 + 8 * i) * HEAD_DIM + (chunk0 + 16 * c) * 8).to(
+                               Int64) * 2,
+                           sQ_vec[None, row0 + 8 * i, chunk0 + 16 * c])
 
         rIdx = cute.make_rmem_tensor((bn // 8,), Int32)
         rXIdx = cute.make_rmem_tensor((bn // 8,), Int32)
@@ -333,8 +344,9 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
                 rXIdx[i] = mXIdx[t, xpos]
 
     @cute.jit
-    def consume(self, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-                mOPart: cute.Tensor, mLsePart: cute.Tensor, t: Int32, hb: Int32, split: Int32,
+    def consume(self, mSink: cute.Tensor, mCos: cute.Tensor, mSin: cute.Tensor,
+                mO: cute.Tensor, mLse: cute.Tensor, mOPart: cute.Tensor,
+                mLsePart: cute.Tensor, t: Int32, hb: Int32, split: Int32,
                 n_local: Int32, half: Int32, wg_tidx: Int32, sQ: cute.Tensor, sK: cute.Tensor,
                 sV: cute.Tensor, sValid: cute.Tensor, kv_pipe: pipeline.PipelineAsync,
                 tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
@@ -428,8 +440,8 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
 
         # Both math warpgroups are past their last GEMM: the stages can hold the output.
         cute.arch.barrier(barrier_id=JOIN_BARRIER, number_of_threads=256)
-        self.epilogue(mSink, mO, mLse, mOPart, mLsePart, t, hb, split, half, wg_tidx,
-                      thr_mma_o, acc_o, tScS, row_max, row_sum, staging)
+        self.epilogue(mSink, mCos, mSin, mO, mLse, mOPart, mLsePart, t, hb, split, half,
+                      wg_tidx, thr_mma_o, acc_o, tScS, row_max, row_sum, staging)
 
     @cute.jit
     def issue_qk(self, kv_pipe: pipeline.PipelineAsync, state: pipeline.PipelineState,
@@ -523,83 +535,12 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather):
             for i in cutlass.range(cute.size(acc_o), unroll_full=True):
                 acc_o[i] = acc_o[i] * scale_prev[(i // 2) % 2]
 
-    @cute.jit
-    def epilogue(self, mSink: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-                 mOPart: cute.Tensor, mLsePart: cute.Tensor, t: Int32, hb: Int32,
-                 split: Int32, half: Int32, wg_tidx: Int32, thr_mma_o: cute.ThrMma,
-                 acc_o: cute.Tensor, tScS: cute.Tensor, row_max: cute.Tensor,
-                 row_sum: cute.Tensor, staging: cute.Pointer):
-        """Normalise (with the sink when unsplit) and store o/lse or the split's partials."""
-        head0 = hb * HEAD_BLOCK
-        rows = (tScS[0][0], tScS[2][0])
-        inv = cute.make_rmem_tensor((2,), Float32)
-        lse = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            total = row_sum[r]
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-            total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
-            denom = total
-            if const_expr(self.num_splits == 1):
-                sink_log2 = mSink[head0 + rows[r]] * LOG2_E
-                denom = total + cute.math.exp2(sink_log2 - row_max[r], fastmath=True)
-            inv[r] = Float32(1.0) / denom if total > 0.0 else Float32(0.0)
-            lse[r] = ((row_max[r] + cute.math.log2(total, fastmath=True)) * LN_2
-                      if total > 0.0 else -Float32.inf)
-        tOcO = thr_mma_o.partition_C(cute.make_identity_tensor((HEAD_BLOCK, HEAD_DIM // 2)))
-        col0 = half * (HEAD_DIM // 2)
-        lane = cute.arch.lane_idx()
-        row0 = (t * self.num_heads + head0).to(Int64)
-        if const_expr(self.num_splits == 1):
-            self.store_tile(acc_o, tOcO, inv, staging, half, wg_tidx, mO.element_type,
-                            mO.iterator.toint() + (row0 * HEAD_DIM + col0) * 2)
-            if half == 0 and lane % 4 == 0:
-                for r in cutlass.range_constexpr(2):
-                    mLse[t, head0 + rows[r]] = lse[r]
-        else:
-            part_row0 = (split * mO.shape[0] * self.num_heads).to(Int64) + row0
-            self.store_tile(acc_o, tOcO, inv, staging, half, wg_tidx, Float32,
-                            mOPart.iterator.toint() + (part_row0 * HEAD_DIM + col0) * 4)
-            if half == 0 and lane % 4 == 0:
-                for r in cutlass.range_constexpr(2):
-                    mLsePart[split, t, head0 + rows[r]] = lse[r]
-
-    @cute.jit
-    def store_tile(self, acc_o: cute.Tensor, tOcO: cute.Tensor, inv: cute.Tensor,
-                   staging: cute.Pointer, half: Int32, wg_tidx: Int32, dtype: cutlass.Constexpr,
-                   dst_addr: Int64):
-        """Write this warpgroup's 64 x 256 output tile (row stride head_dim) at ``dst_addr``:
-        scaled accumulators go to smem (16 B chunks XOR-swizzled by row against bank
-        conflicts), then every thread stores whole 16 B chunks, a warp covering 512 B."""
-        width = HEAD_DIM // 2
-        per_chunk = 16 // (dtype.width // 8)
-        chunks = width // per_chunk
-        region = staging.toint() + half * (HEAD_BLOCK * width * (dtype.width // 8))
-        sO = cute.make_tensor(cute.make_ptr(dtype, region, cute.AddressSpace.smem,
-                                            assumed_align=1024),
-                              cute.make_layout((HEAD_BLOCK * width,)))
-        for i in cutlass.range(cute.size(acc_o), unroll_full=True):
-            r, c = tOcO[i][0], tOcO[i][1]
-            swizzled = ((c // per_chunk) ^ (r % 8)) * per_chunk + c % per_chunk
-            sO[r * width + swizzled] = (acc_o[i] * inv[(i // 2) % 2]).to(dtype)
-        cute.arch.barrier(barrier_id=STORE_BARRIER + half, number_of_threads=128)
-        for k in cutlass.range_constexpr(HEAD_BLOCK * chunks // 128):
-            flat = k * 128 + wg_tidx
-            r, c = flat // chunks, flat % chunks
-            src = cute.make_tensor(
-                cute.make_ptr(dtype, region + (r * width + (c ^ (r % 8)) * per_chunk) * (
-                    dtype.width // 8), cute.AddressSpace.smem, assumed_align=16),
-                cute.make_layout((per_chunk,)))
-            dst = cute.make_tensor(
-                cute.make_ptr(dtype, dst_addr + ((r * HEAD_DIM + c * per_chunk) * (
-                    dtype.width // 8)).to(Int64), cute.AddressSpace.gmem, assumed_align=16),
-                cute.make_layout((per_chunk,)))
-            dst.store(src.load())
-
 
 @cute.jit
 def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Tensor,
                               idx: cute.Tensor, extra_kv: cute.Tensor, extra_idx: cute.Tensor,
-                              extra_len: cute.Tensor, sink: cute.Tensor, o: cute.Tensor,
+                              extra_len: cute.Tensor, sink: cute.Tensor,
+                              cos: cute.Tensor, sin: cute.Tensor, o: cute.Tensor,
                               lse: cute.Tensor, o_part: cute.Tensor, lse_part: cute.Tensor, *,
                               num_heads: cutlass.Constexpr, softmax_scale: cutlass.Constexpr,
                               num_splits: cutlass.Constexpr, has_extra: cutlass.Constexpr,
@@ -608,11 +549,15 @@ def sparse_attention_launcher(stream: cuda.CUstream, q: cute.Tensor, kv: cute.Te
                               qk_split: cutlass.Constexpr = False,
                               ablation: cutlass.Constexpr = "",
                               extra_fp8: cutlass.Constexpr = False,
-                              has_extra_len: cutlass.Constexpr = False):
-    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config)."""
+                              has_extra_len: cutlass.Constexpr = False,
+                              q_prep: cutlass.Constexpr = False,
+                              norm_eps: cutlass.Constexpr = 0.0):
+    """``cutlass_call`` entry point: (stream, *inputs, *outputs, **static config). Without
+    ``q_prep`` cos and sin are placeholders the kernel never reads."""
     SparseAttentionSm90(num_heads, softmax_scale, num_splits, has_extra, ablation, block_n,
-                        num_stages, qk_split, extra_fp8, has_extra_len)(
-        q, kv, idx, extra_kv, extra_idx, extra_len, sink, o, lse, o_part, lse_part, stream)
+                        num_stages, qk_split, extra_fp8, has_extra_len, q_prep, norm_eps)(
+        q, kv, idx, extra_kv, extra_idx, extra_len, sink, cos, sin, o, lse, o_part, lse_part,
+        stream)
 
 
 __all__ = ["SparseAttentionSm90", "sparse_attention_launcher"]

@@ -29,13 +29,14 @@ from flax import struct
 from dsv4_jax.config import Config
 from dsv4_jax.cache import LayerCache
 from dsv4_jax.ffi import sparse_attention
+from dsv4_jax.ffi.rope import head_rms_norm, rope_table, rotate_tail
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax import kv_entry, quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_codes_init, fp8_linear_pair,
-                     grouped_linear, head_rms_norm, normal_init, pow2_scale_init,
-                     rope_inv_freq, rope_tail, FP8_CODE_STD)
+                     grouped_linear, normal_init, pow2_scale_init, rope_inv_freq,
+                     rope_tail, FP8_CODE_STD)
 from .parallel import batch_parallel
 
 
@@ -49,15 +50,17 @@ def window_indices(lengths: jax.Array, seq: int, window: int) -> jax.Array:
     return jnp.where(p >= 0, local, -1).astype(jnp.int32)
 
 
-def attend_rows(q, pool, win_idx, table, selected, selected_len, sink, *, scale,
-                implementation, config=None):
+def attend_rows(q, pool, win_idx, table, selected, selected_len, cos, sin, sink, *,
+                scale, q_norm_eps, implementation, config=None):
     """The sparse attention of a batch of rows, per-row indices made global for the op.
 
-    q [B,S,H,c]; pool [B,W+S,c] window pool; win_idx [B,S,W] into the row's pool; table
-    [B,N,c] compressed entries, [B,N,584] uint8 FP8 rows (the op decodes the rows it reads)
-    or None; selected [B,S,K2] entry ids (-1 unused); selected_len [B,S] int32 or None: slots
-    of ``selected`` at or past it are unused (HCA: the visible entries come first, and the
-    kernel stops there, so a long cache's empty tail costs nothing) -> o [B,S,H,c].
+    q [B,S,H,c] as wq_b writes it; pool [B,W+S,c] window pool; win_idx [B,S,W] into the row's
+    pool; table [B,N,c] compressed entries, [B,N,584] uint8 FP8 rows (the op decodes the rows
+    it reads) or None; selected [B,S,K2] entry ids (-1 unused); selected_len [B,S] int32 or
+    None: slots of ``selected`` at or past it are unused (HCA: the visible entries come
+    first, and the kernel stops there, so a long cache's empty tail costs nothing); cos, sin
+    [B,S,rd/2] or None: the queries' RoPE, which the op applies after their heads' norm
+    (``q_norm_eps``), and inverts on the output -> o [B,S,H,c].
     ``config``: the kernel's ``SparseAttentionSm90Config`` (``KernelPolicy.sparse_attention``).
     """
     b, s, h, c = q.shape
@@ -73,9 +76,11 @@ def attend_rows(q, pool, win_idx, table, selected, selected_len, sink, *, scale,
             extra_kv = extra_kv.astype(q.dtype)
         if selected_len is not None:
             extra_len = selected_len.reshape(b * s).astype(jnp.int32)
+    rope = None if cos is None else (cos.reshape(b * s, -1), sin.reshape(b * s, -1))
     o, _ = sparse_attention(q.reshape(b * s, h, c), pool.reshape(-1, c).astype(q.dtype), win,
                             sink, extra_kv=extra_kv, extra_idx=extra_idx, extra_len=extra_len,
-                            scale=scale, implementation=implementation, config=config)
+                            rope=rope, q_norm_eps=q_norm_eps, scale=scale,
+                            implementation=implementation, config=config)
     return o.reshape(b, s, h, c)
 
 
@@ -193,8 +198,12 @@ class Attention(nn.Module):
         else:
             q = linear(cfg.q_lora_rank, h * c, name="wq_b")(qr)
         q = q.reshape(b, s, h, c)
-        q = head_rms_norm(q, cfg.norm_eps)
-        q = rope_tail(q, positions[..., None], inv_freq, rd)
+        rope = rope_table(positions, inv_freq)                        # [B, S, rd / 2] each
+        # The heads' norm, the query RoPE and the output's inverse RoPE: the attention op's
+        # with ``attention_rope`` (on the kernel, no launches of their own), else XLA's.
+        in_op = KernelPolicy.coerce(self.policy).attention_rope
+        if not in_op:
+            q = rotate_tail(head_rms_norm(q, cfg.norm_eps), *(r[..., None, :] for r in rope))
 
         kv = RMSNorm(c, cfg.norm_eps, name="kv_norm")(kv)
         kv = rope_tail(kv, positions, inv_freq, rd)
@@ -222,15 +231,17 @@ class Attention(nn.Module):
 
         sink = self.param("attn_sink", normal_init(0.5), (h,), jnp.float32)
         attend = functools.partial(
-            attend_rows, scale=cfg.softmax_scale,
+            attend_rows, scale=cfg.softmax_scale, q_norm_eps=cfg.norm_eps if in_op else None,
             implementation=self.policy.implementation_for("sparse_attention"),
             config=self.policy.sparse_attention)
+        tables = rope if in_op else (None, None)
         if self.mesh is None:
-            o = attend(q, pool, win_idx, table, sel, sel_len, sink)
+            o = attend(q, pool, win_idx, table, sel, sel_len, *tables, sink)
         else:       # data parallel: every device attends its own rows with local indices
             o, = batch_parallel(lambda *a: (attend(*a),), self.mesh,
-                                (q, pool, win_idx, table, sel, sel_len), (sink,), 1)
-        o = rope_tail(o, positions[..., None], inv_freq, rd, inverse=True)
+                                (q, pool, win_idx, table, sel, sel_len, *tables), (sink,), 1)
+        if not in_op:
+            o = rotate_tail(o, *(r[..., None, :] for r in rope), inverse=True)
         o = o.reshape(b, s, cfg.o_groups, h // cfg.o_groups * c)
         u = GroupedOutput(cfg, self.policy, self.mesh, name="wo_a")(o)
         out = linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, name="wo_b")(u.reshape(b, s, -1))

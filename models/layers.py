@@ -28,6 +28,7 @@ from dsv4_jax.ffi.grouped_gemm import grouped_gemm, grouped_gemm_pair
 from dsv4_jax.ffi.hc_pre_reference import rms_norm
 from dsv4_jax.ffi.router_reference import matmul_f32
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
+from dsv4_jax.ffi.rope import rope_table, rotate_pairs
 from .parallel import batch_parallel
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -192,15 +193,6 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def head_rms_norm(q: jax.Array, eps: float) -> jax.Array:
-    """Per-head weightless RMSNorm of queries, in q's own dtype as the reference computes it
-    (``q *= rsqrt(q.square().mean(-1) + eps)`` on a BF16 tensor rounds after every op)."""
-    sq = q * q
-    ms = jnp.mean(sq, axis=-1, keepdims=True)          # f32 accumulate, rounded to q.dtype
-    r = jax.lax.rsqrt((ms.astype(jnp.float32) + eps).astype(q.dtype))
-    return q * r
-
-
 # ----------------------------------------------------------------------------- RoPE
 def rope_inv_freq(cfg: Config, compressed: bool) -> np.ndarray:
     """Per-pair frequencies f_i (i < rope_head_dim/2), with YaRN for compressed layers
@@ -227,15 +219,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
                inverse: bool = False) -> jax.Array:
     """Rotate interleaved pairs of ``x [..., r]`` by ``positions`` (shape ``x.shape[:-1]`` or
     broadcastable); f32 math, result in x's dtype. ``inverse`` rotates by the conjugate."""
-    r = x.shape[-1]
-    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], r // 2, 2)
-    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    if inverse:
-        sin = -sin
-    x0, x1 = xf[..., 0], xf[..., 1]
-    y = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1)
-    return y.reshape(x.shape).astype(x.dtype)
+    return rotate_pairs(x, *rope_table(positions, inv_freq), inverse)
 
 
 def rope_tail(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,

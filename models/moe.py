@@ -182,18 +182,19 @@ class MoE(nn.Module):
     policy: KernelPolicy = DEFAULT_POLICY       # the ops' implementations and kernel configs
 
     @nn.compact
-    def __call__(self, x: jax.Array, token_ids: jax.Array):
+    def __call__(self, x: jax.Array, token_ids: jax.Array, as_parts: bool = False):
         """x [B,S,d] (normed), token_ids [B,S] (hash routing) -> [B,S,d] in x's dtype, or
-        its unsummed parts (``ffi.ffn_sum.FfnSum``, ``total()`` the same bits) when the
-        policy's ``ffn_sum_in_hc_pre`` is on and there is no mesh: the next mHC pre adds
-        them. On a mesh the [B, S] arrays go to the collective sections as they are: their
+        with ``as_parts`` (the block's call) its unsummed parts (``ffi.ffn_sum.FfnSum``,
+        ``total()`` the same bits) when the policy's ``ffn_sum_in_hc_pre`` is on and there
+        is no mesh: the next mHC pre adds them. On a mesh the [B, S] arrays go to the collective sections as they are: their
         rows set how the batch is split (``mesh_rules.row_axes``)."""
         cfg = self.cfg
         b, s, d = x.shape
         gate = Gate(cfg, self.layer_id < cfg.n_hash_layers, self.policy, self.mesh, name="gate")
         weights, idx = gate(x, token_ids)
         params = Experts(cfg, name="experts")()
-        parts = self.mesh is None and KernelPolicy.coerce(self.policy).ffn_sum_in_hc_pre
+        parts = (as_parts and self.mesh is None
+                 and KernelPolicy.coerce(self.policy).ffn_sum_in_hc_pre)
         y = routed_experts(x.reshape(b * s, d), weights, idx, params, cfg, self.mesh,
                            self.policy, rows=b, summed=not parts)
         shared = Expert(cfg, self.policy, self.mesh, name="shared_experts")(x)

@@ -98,7 +98,8 @@ class Block(nn.Module):
         a, lcache, pending = Attention(cfg, self.layer_id, self.policy, self.mesh,
                                        name="attn")(normed, lcache, lengths, num_new)
         normed, post, comb, x = self._mhc_pre(x, "ffn", pending=(a, post, comb))
-        f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(normed, token_ids)
+        f = MoE(cfg, self.layer_id, self.mesh, self.policy, name="ffn")(normed, token_ids,
+                                                                       as_parts=True)
         return x, lcache, pending, (f, post, comb)
 
     @nn.compact

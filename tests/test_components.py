@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 from dsv4_jax.cache import init_layer_cache
 from dsv4_jax.ffi import sparse_attention_reference
+from dsv4_jax.ffi.hc_pre_reference import pending_total
+from dsv4_jax.ffi.rope import head_rms_norm
 from dsv4_jax import quant
 from dsv4_jax.models import layers, mhc, moe
 from dsv4_jax.models.attention import Attention, GroupedOutput, update_ring, window_indices
@@ -42,7 +44,7 @@ def test_rms_norm_and_head_norm():
     w = np.random.default_rng(1).standard_normal(512).astype(np.float32)
     np.testing.assert_allclose(layers.rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6),
                                ref.rms_norm(x, w), rtol=2e-5, atol=1e-6)
-    np.testing.assert_allclose(layers.head_rms_norm(jnp.asarray(x), 1e-6), ref.rms_norm(x),
+    np.testing.assert_allclose(head_rms_norm(jnp.asarray(x), 1e-6), ref.rms_norm(x),
                                rtol=2e-5, atol=1e-6)
 
 
@@ -388,7 +390,8 @@ def test_mtp_block_composition(params):
                     if k not in ("e_proj", "h_proj", "enorm", "hnorm", "norm") and "hc_head" not in k}
     x1, _, _, moe = jax.jit(Block(CFG, CFG.n_layers).apply)(
         {"params": block_params}, x0, ids, cache.mtp[0], cache.mtp_lengths, jnp.array([5]))
-    x1 = mhc.hc_post(moe[0], x1, *moe[1:])          # the block leaves its last hc_post
+    # The block leaves its last hc_post (its MoE output as parts: ffi.ffn_sum.FfnSum).
+    x1 = mhc.hc_post(pending_total(moe[0]), x1, *moe[1:])
     flat = f64(x1).reshape(1, 5, -1)
     mix = flat @ f64(mp["hc_head_fn"]).T / np.sqrt((flat ** 2).mean(-1, keepdims=True) + 1e-6)
     pre = 1 / (1 + np.exp(-(mix * f64(mp["hc_head_scale"]) + f64(mp["hc_head_base"])))) + 1e-6

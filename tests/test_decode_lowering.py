@@ -13,6 +13,7 @@ import dsv4_jax as dj
 from dsv4_jax.ffi import dispatch
 from dsv4_jax.ffi.policy import GroupedGemmPolicy, KernelPolicy
 from dsv4_jax.params import abstract_params
+from model_lowering import cute_calls, lower_decode_step
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 # cutlass_call lowers each kernel once into a private function; every launch calls it.
@@ -155,3 +156,22 @@ def test_decode_step_quantises_no_activation_outside_the_kernels():
     assert blocks(_lower(None)) == {"64"}
     stream = KernelPolicy(grouped_gemm=GroupedGemmPolicy(decode_algorithm="mma_fp8_stream"))
     assert "128" in blocks(_lower(stream))
+
+
+def test_the_attention_kernel_takes_the_queries_as_wq_b_writes_them():
+    """With ``KernelPolicy(attention_rope=True)`` the heads' norm, the query RoPE and the
+    output's inverse RoPE are the attention kernel's (64 heads: a size it takes): its
+    launches take the step's cos and sin tables ([T, rope_dim / 2] f32); with attention on
+    its reference, or the policy off (the default), no kernel does."""
+    cfg = dj.Config.tiny(n_heads=64, o_groups=8)
+    table = f"tensor<{BATCH}x{cfg.rope_head_dim // 2}xf32>"
+    tables = f"{table}, {table}) -> "          # the last operands
+    others = {"moe_experts": "xla", "grouped_gemm": "xla", "hc_pre": "xla",
+              "hc_split_sinkhorn": "xla", "moe_router": "xla", "index_topk": "xla"}
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, BATCH, 256))
+    for ops, on, launches in ((others, True, True), (others, False, False),
+                              (others | {"sparse_attention": "xla"}, True, False)):
+        policy = KernelPolicy(ops=ops, attention_rope=on)
+        model = dj.DSV4(cfg, implementation=policy, runtime_checks=False)
+        calls = cute_calls(lower_decode_step(model, cfg, cache, BATCH))
+        assert any(tables in line for line in calls) == launches

@@ -22,14 +22,16 @@ S = jax.ShapeDtypeStruct
 CUSTOM_CALL = "CuteDSLRT_NvJaxCutlassCall_v2"
 
 
-def _compile(t, h, k, k2, n, m, splits, config, extra_fp8=False, has_extra_len=False):
+def _compile(t, h, k, k2, n, m, splits, config, extra_fp8=False, has_extra_len=False,
+             q_prep=False):
     def fake(dtype, shape):
         return make_fake_compact_tensor(dtype, shape, assumed_align=16)
     bf16, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
     extra = fake(cutlass.Uint8, (m, 584)) if extra_fp8 else fake(bf16, (m, 512))
     tensors = [fake(bf16, (t, h, 512)), fake(bf16, (n, 512)), fake(i32, (t, k)),
                extra, fake(i32, (t, k2)), fake(i32, (t,) if has_extra_len else (1,)),
-               fake(f32, (h,)),
+               fake(f32, (h,)), fake(f32, (t, 32) if q_prep else (1, 1)),
+               fake(f32, (t, 32) if q_prep else (1, 1)),
                fake(bf16, (t, h, 512)), fake(f32, (t, h)),
                fake(f32, (splits, t, h, 512) if splits > 1 else (1,)),
                fake(f32, (splits, t, h) if splits > 1 else (1,))]
@@ -37,7 +39,8 @@ def _compile(t, h, k, k2, n, m, splits, config, extra_fp8=False, has_extra_len=F
                         num_heads=h, softmax_scale=SCALE, num_splits=splits, has_extra=True,
                         block_n=config.block_n, num_stages=config.num_stages,
                         qk_split=config.qk_split, extra_fp8=extra_fp8,
-                        has_extra_len=has_extra_len)
+                        has_extra_len=has_extra_len, q_prep=q_prep,
+                        norm_eps=1e-6 if q_prep else 0.0)
 
 
 VARIANTS = {"single": (1, Config(64, 2, False)), "split": (6, Config(48, 3, False)),
@@ -104,6 +107,27 @@ def test_bounded_extra_list_reads_each_tokens_bound_once(splits, config):
     for ptx in (plain, bounded):
         assert len(re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16", ptx)) == 32
         assert ".local" not in ptx
+
+
+@pytest.mark.parametrize("splits, config", [(1, Config(64, 2, True)), (6, Config(48, 3, False)),
+                                            (1, Config(64, 2, False))])
+def test_query_preparation_replaces_the_q_copies(splits, config):
+    """``q_prep``: the producer issues no Q copies (4 cp.async per thread and 8 rows fewer:
+    32 of 16 B), the math warpgroups load their quarter heads (16 loads of 16 B each), meet
+    at one more named barrier, and the WGMMAs are the plain build's; the output is rotated
+    back in the epilogue or the split merge; nothing in local memory."""
+    def copies(ptx):
+        return len(re.findall(r"cp\.async\.cg\.shared\.global", ptx))
+
+    plain = _compile(2, 64, 128, 512, 1000, 3000, splits, config).artifacts.PTX
+    prep = _compile(2, 64, 128, 512, 1000, 3000, splits, config, q_prep=True).artifacts.PTX
+    assert copies(plain) - copies(prep) == 32, (copies(plain), copies(prep))
+    assert len(re.findall(r"ld\.global\.nc\.L1::no_allocate\.v4\.b32", prep)) == 16
+    assert re.search(r"bar\.sync\s+10, 256;", prep) and not re.search(r"bar\.sync\s+10,",
+                                                                        plain)
+    for ptx in (plain, prep):
+        assert len(re.findall(rf"wgmma\.mma_async\S*m64n{config.block_n}k16", ptx)) == 32
+    assert ".local" not in prep
 
 
 def test_configs_fit_in_shared_memory():
