@@ -74,7 +74,6 @@ def _describe(name, x):
 def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None,
                                 extra_len=None, rope=None, q_norm_eps=None):
     """Raise ``TypeError``/``ValueError`` naming the argument when shapes or dtypes are wrong."""
-    _check_query_prep(q, rope, q_norm_eps)
     if q.ndim != 3:
         raise ValueError(f"sparse_attention: q must be [T, H, D]; {_describe('q', q)}")
     t, h, d = q.shape
@@ -125,6 +124,7 @@ def check_sparse_attention_args(q, kv, idx, sink, extra_kv=None, extra_idx=None,
         if extra_len.dtype != jnp.int32:
             raise TypeError(f"sparse_attention: extra_len must be int32; "
                             f"{_describe('extra_len', extra_len)}")
+    _check_query_prep(q, rope, q_norm_eps)
 
 
 def _check_query_prep(q, rope, q_norm_eps):

@@ -175,7 +175,8 @@ class SparseAttentionSm90(SplitCombine, Fp8EntryGather, QueryRope, OutputEpilogu
     def kernel(self, mQ: cute.Tensor, mKV: cute.Tensor, mIdx: cute.Tensor,
                mXKV: cute.Tensor, mXIdx: cute.Tensor, mXLen: cute.Tensor, mSink: cute.Tensor,
                mCos: cute.Tensor, mSin: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-               mOPart: cute.Tensor, mLsePart: cute.Tensor, tiled_mma_s: cute.TiledMma, tiled_mma_o: cute.TiledMma,
+               mOPart: cute.Tensor, mLsePart: cute.Tensor, tiled_mma_s: cute.TiledMma,
+               tiled_mma_o: cute.TiledMma,
                sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
                sV_layout: cute.ComposedLayout):
         tidx, _, _ = cute.arch.thread_idx()

@@ -30,7 +30,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .sm90_primitives import load_global_b32x4, round_bf16, widen_bf16x2
 from .sparse_attention_config import HEAD_BLOCK, HEAD_DIM, ROPE_DIM
 
-Q_BARRIER = 10                  # named barrier: the math warpgroups' Q tile is written (1-9: the kernel's)
+Q_BARRIER = 10                  # named barrier of the prepared Q tile (1-9: the kernel's)
 QUARTER = HEAD_DIM // 4         # channels per thread in the prologue
 ROPE_FIRST = HEAD_DIM - ROPE_DIM
 SUMS = 4                        # independent partial sums per thread (a shorter add chain)

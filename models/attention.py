@@ -29,8 +29,8 @@ from flax import struct
 from dsv4_jax.config import Config
 from dsv4_jax.cache import LayerCache
 from dsv4_jax.ffi import sparse_attention
-from dsv4_jax.ffi.rope import head_rms_norm, rope_table, rotate_tail
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
+from dsv4_jax.ffi.rope import head_rms_norm, rope_table, rotate_tail
 from dsv4_jax import kv_entry, quant
 from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor,
                          write_entries)
@@ -54,13 +54,14 @@ def attend_rows(q, pool, win_idx, table, selected, selected_len, cos, sin, sink,
                 scale, q_norm_eps, implementation, config=None):
     """The sparse attention of a batch of rows, per-row indices made global for the op.
 
-    q [B,S,H,c] as wq_b writes it; pool [B,W+S,c] window pool; win_idx [B,S,W] into the row's
-    pool; table [B,N,c] compressed entries, [B,N,584] uint8 FP8 rows (the op decodes the rows
-    it reads) or None; selected [B,S,K2] entry ids (-1 unused); selected_len [B,S] int32 or
-    None: slots of ``selected`` at or past it are unused (HCA: the visible entries come
-    first, and the kernel stops there, so a long cache's empty tail costs nothing); cos, sin
-    [B,S,rd/2] or None: the queries' RoPE, which the op applies after their heads' norm
-    (``q_norm_eps``), and inverts on the output -> o [B,S,H,c].
+    q [B,S,H,c] (as wq_b writes it with cos and sin, else normed and rotated); pool
+    [B,W+S,c] window pool; win_idx [B,S,W] into the row's pool; table [B,N,c] compressed
+    entries, [B,N,584] uint8 FP8 rows (the op decodes the rows it reads) or None; selected
+    [B,S,K2] entry ids (-1 unused); selected_len [B,S] int32 or None: slots of ``selected``
+    at or past it are unused (HCA: the visible entries come first, and the kernel stops
+    there, so a long cache's empty tail costs nothing); cos, sin [B,S,rd/2] or None: the
+    queries' RoPE, which the op applies after their heads' norm (``q_norm_eps``), and
+    inverts on the output -> o [B,S,H,c].
     ``config``: the kernel's ``SparseAttentionSm90Config`` (``KernelPolicy.sparse_attention``).
     """
     b, s, h, c = q.shape
@@ -201,7 +202,7 @@ class Attention(nn.Module):
         rope = rope_table(positions, inv_freq)                        # [B, S, rd / 2] each
         # The heads' norm, the query RoPE and the output's inverse RoPE: the attention op's
         # with ``attention_rope`` (on the kernel, no launches of their own), else XLA's.
-        in_op = KernelPolicy.coerce(self.policy).attention_rope
+        in_op = self.policy.attention_rope
         if not in_op:
             q = rotate_tail(head_rms_norm(q, cfg.norm_eps), *(r[..., None, :] for r in rope))
 

@@ -186,8 +186,9 @@ class MoE(nn.Module):
         """x [B,S,d] (normed), token_ids [B,S] (hash routing) -> [B,S,d] in x's dtype, or
         with ``as_parts`` (the block's call) its unsummed parts (``ffi.ffn_sum.FfnSum``,
         ``total()`` the same bits) when the policy's ``ffn_sum_in_hc_pre`` is on and there
-        is no mesh: the next mHC pre adds them. On a mesh the [B, S] arrays go to the collective sections as they are: their
-        rows set how the batch is split (``mesh_rules.row_axes``)."""
+        is no mesh: the next mHC pre adds them. On a mesh the [B, S] arrays go to the
+        collective sections as they are: their rows set how the batch is split
+        (``mesh_rules.row_axes``)."""
         cfg = self.cfg
         b, s, d = x.shape
         gate = Gate(cfg, self.layer_id < cfg.n_hash_layers, self.policy, self.mesh, name="gate")
