@@ -124,7 +124,7 @@ class KernelPolicy:
     ffn_sum_in_hc_pre: on one device, each MoE sub-block's output goes to the next mHC pre as
       its parts (``ffi.ffn_sum.FfnSum``: routed rows and shared row), which that op adds --
       the same bits, one XLA launch fewer per layer on a decode step's critical path (on by
-      default; docs/performance.md, "the MoE output summed in the next mHC pre").
+      default; docs/performance.md, thirty-first session).
     attention_rope: the heads' RMSNorm, the query RoPE and the output's inverse RoPE inside
       the attention op (``sparse_attention(..., rope=, q_norm_eps=)``: the kernel's prologue
       and epilogue), not three XLA launches around it -- the same bits on the reference.

@@ -36,7 +36,7 @@ from .compressor import (Compressor, CompressorChunk, Indexer, commit_compressor
                          write_entries)
 from .layers import (FP8Weight, Linear, RMSNorm, act_dtype, fp8_codes_init, fp8_linear_pair,
                      grouped_linear, normal_init, pow2_scale_init, rope_inv_freq,
-                     rope_tail, FP8_CODE_STD)
+                     FP8_CODE_STD)
 from .parallel import batch_parallel
 
 
@@ -207,7 +207,7 @@ class Attention(nn.Module):
             q = rotate_tail(head_rms_norm(q, cfg.norm_eps), *(r[..., None, :] for r in rope))
 
         kv = RMSNorm(c, cfg.norm_eps, name="kv_norm")(kv)
-        kv = rope_tail(kv, positions, inv_freq, rd)
+        kv = rotate_tail(kv, *rope)                     # the queries' table: same positions
         if cfg.quant_simulation:
             kv = jnp.concatenate([quant.fp8_simulate(kv[..., :c - rd], 64), kv[..., c - rd:]],
                                  axis=-1)

@@ -28,7 +28,7 @@ from dsv4_jax.ffi.grouped_gemm import grouped_gemm, grouped_gemm_pair
 from dsv4_jax.ffi.hc_pre_reference import rms_norm
 from dsv4_jax.ffi.router_reference import matmul_f32
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
-from dsv4_jax.ffi.rope import rope_table, rotate_pairs
+from dsv4_jax.ffi.rope import rope_table, rotate_tail
 from .parallel import batch_parallel
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -215,15 +215,12 @@ def rope_inv_freq(cfg: Config, compressed: bool) -> np.ndarray:
     return freqs.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
-               inverse: bool = False) -> jax.Array:
-    """Rotate interleaved pairs of ``x [..., r]`` by ``positions`` (shape ``x.shape[:-1]`` or
-    broadcastable); f32 math, result in x's dtype. ``inverse`` rotates by the conjugate."""
-    return rotate_pairs(x, *rope_table(positions, inv_freq), inverse)
-
-
 def rope_tail(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
               rope_dim: int, inverse: bool = False) -> jax.Array:
-    """Apply RoPE to the last ``rope_dim`` channels of x, leaving the others untouched."""
-    head, tail = x[..., :-rope_dim], x[..., -rope_dim:]
-    return jnp.concatenate([head, apply_rope(tail, positions, inv_freq, inverse)], axis=-1)
+    """Apply RoPE to the last ``rope_dim`` channels of x (interleaved pairs rotated by
+    ``positions``, shape ``x.shape[:-1]`` or broadcastable; f32 math, x's dtype; ``inverse``:
+    by the conjugate), leaving the others untouched."""
+    if rope_dim != 2 * len(inv_freq):
+        raise ValueError(f"rope_tail: rope_dim {rope_dim} must be twice the {len(inv_freq)} "
+                         f"frequencies")
+    return rotate_tail(x, *rope_table(positions, inv_freq), inverse)
