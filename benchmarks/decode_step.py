@@ -83,7 +83,9 @@ def sub_stack(params: dict, layers: int) -> dict:
 
 
 # --impls variants: the grouped-GEMM policy fields they change.
-VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True}}
+VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True},
+            "codes": {"token_codes": "gathered"}, "nocodes": {"token_codes": "none"},
+            "routedcodes": {"token_codes": "routed"}}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
                    "noffnsum": {"ffn_sum_in_hc_pre": False},
@@ -94,7 +96,9 @@ def policy_of(value: str) -> KernelPolicy:
     """The ``KernelPolicy`` an ``--impls`` entry names (``impl[+algorithm][/variant]``;
     ``+algorithm`` sets the grouped GEMM's decode kernel, ``+prefill:algorithm`` its prefill
     kernel; ``/unpaired``: a launch per linear, ``/pdl``: the decode kernels as programmatic
-    dependent launches; ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
+    dependent launches; ``/codes``, ``/nocodes``, ``/routedcodes``: the routed launches'
+    rows quantised by XLA or by the kernels (``GroupedGemmPolicy.token_codes`` "gathered",
+    "none", "routed"); ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
     mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
     inside the attention op)."""
     value, _, variant = value.partition("/")

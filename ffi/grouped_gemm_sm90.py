@@ -199,11 +199,12 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
     w_a, s_a = _as_bytes(weight, scale)
     w_b, s_b = _as_bytes(weight_b, scale_b) if weight_b is not None else (w_a, s_a)
     rw = route_w.astype(jnp.float32) if gated else jnp.zeros((1,), jnp.float32)
-    fp8_x = config.algorithm in FP8_CODE_ALGORITHMS
+    fp8_x = config.takes_codes
     if fp8_x != (x_scale is not None) or fp8_x != (xs.dtype == jnp.float8_e4m3fn):
-        raise ValueError(f"grouped_gemm launch: algorithm {config.algorithm!r} with xs "
-                         f"{xs.dtype} and x_scale {None if x_scale is None else x_scale.shape}"
-                         f" (e4m3 codes + scales for {FP8_CODE_ALGORITHMS} only)")
+        raise ValueError(f"grouped_gemm launch: algorithm {config.algorithm!r} (token_codes "
+                         f"{config.token_codes}) with xs {xs.dtype} and x_scale "
+                         f"{None if x_scale is None else x_scale.shape} (e4m3 codes + scales "
+                         f"for {FP8_CODE_ALGORITHMS} and token_codes only)")
     if fp8_x:
         xs = jax.lax.bitcast_convert_type(xs, jnp.uint8)
         x_scale = x_scale.astype(jnp.float32)
@@ -219,18 +220,19 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      ablation=config.ablation,
                      scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K),
                      token_stages=config.token_stages, paired=paired,
-                     token_stride=token_stride, **({"pdl": config.pdl} if config.pdl else {}))
+                     token_stride=token_stride, **({"pdl": config.pdl} if config.pdl else {}),
+                     **({"token_codes": True} if config.token_codes else {}))
     return y
 
 
 def quantized_rows(x, rows, config: GroupedGemmSm90Config, simulate: bool):
     """The kernel's operands for the rows ``x[rows]`` (``rows`` None: all, in order): e4m3
-    codes and their scales for the algorithms that take them (``FP8_CODE_ALGORITHMS``), the
-    rows as they are for "mma_fp8" (it quantises them itself) and without the simulation,
-    else the FP8 simulation's exact products in bf16. The quantisation is per row, so it
-    runs on ``x`` before the gather."""
+    codes and their scales for the launches that take them (``FP8_CODE_ALGORITHMS``, and
+    ``token_codes``), the rows as they are for "mma_fp8" (it quantises them itself) and
+    without the simulation, else the FP8 simulation's exact products in bf16. The
+    quantisation is per row, so it runs on ``x`` before the gather."""
     take = (lambda a: a) if rows is None else (lambda a: a[rows])
-    if config.algorithm in FP8_CODE_ALGORITHMS:
+    if config.takes_codes:
         codes, scales = quant.act_quant(x)
         return take(codes), take(scales)
     quantized_in_kernel = config.spec.quantizes_tokens

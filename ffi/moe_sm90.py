@@ -21,6 +21,8 @@ share their tiles, and differ only where the policy's decode algorithm is ``"aut
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax.numpy as jnp
 
@@ -77,6 +79,7 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     the rows' outputs ``[A, d]`` bf16 in sorted order and their validity ``[A]`` (a row of a
     dropped id is never written: mask it)."""
     groups = w1[0].shape[0]
+    explicit = config is not None
     config, down_config = ((config, config) if config is not None else
                            moe_configs(ea.shape[0], w1, w2, simulate=simulate, policy=policy))
     if gemm.use_row_tiles(ea.shape[0], groups, config):
@@ -92,6 +95,8 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     stride = 1
     if order is None and source_stride > 0 and config.spec.quantizes_tokens:
         rows, stride = None, source_stride
+    config, down_config = _token_codes(config, down_config, policy, gathered=rows is not None,
+                                       explicit=explicit)
     xs, x_scale = gemm.quantized_rows(x, rows, config, simulate)
     h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
                     swiglu_limit=swiglu_limit, x_scale=x_scale, config=config,
@@ -99,6 +104,22 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     hs, h_scale = gemm.quantized_rows(h, None, down_config, simulate)
     ys = gemm.launch(hs, tiles, *w2, x_scale=h_scale, config=down_config)
     return position, ys, valid_sorted
+
+
+def _token_codes(config, down_config, policy: GroupedGemmPolicy | None, *, gathered: bool,
+                 explicit: bool) -> MoeConfigs:
+    """The launches' configs under ``policy.token_codes``: the gated launch takes its rows
+    quantised by XLA where they are ``gathered`` (the quantisation joins the gather), both
+    do under "routed"; only for kernels that would quantise them themselves (the same
+    codes), never for a ``config`` the caller chose (``explicit``)."""
+    mode = (policy or GroupedGemmPolicy()).token_codes
+    if explicit or mode == "none":
+        return config, down_config
+    if config.spec.quantizes_tokens and (gathered or mode == "routed"):
+        config = dataclasses.replace(config, token_codes=True)
+    if mode == "routed" and down_config.spec.quantizes_tokens:
+        down_config = dataclasses.replace(down_config, token_codes=True)
+    return config, down_config
 
 
 def _masked(ys, valid):

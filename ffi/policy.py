@@ -31,6 +31,7 @@ ALGORITHM_ENV_VAR = "DSV4_MOE_ALGORITHM"
 PREFILL_ALGORITHM_ENV_VAR = "DSV4_MOE_PREFILL_ALGORITHM"
 SPLIT_K_ENV_VAR = "DSV4_MOE_SPLIT_K"
 _OFF = ("", "auto", "none")
+TOKEN_CODES = ("none", "gathered", "routed")         # GroupedGemmPolicy.token_codes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +67,21 @@ class GroupedGemmPolicy:
       load their first weight blocks before that wait; ``GroupedGemmSm90Config.pdl``). Off
       by default until it is shown to shorten the two-GPU step (docs/performance.md,
       "Programmatic dependent launch").
+    token_codes: where the decode kernels that quantise their tokens ("mma_fp8",
+      "wgmma_rs") take them quantised by XLA instead (``GroupedGemmSm90Config.token_codes``;
+      the same codes, so the same outputs): ``"gathered"`` (the default: the routed
+      experts' gated launch, whose sorted rows XLA gathers before it anyway -- the
+      quantisation joins that gather, and the launch's CTAs no longer quantise the same rows
+      each), ``"none"`` (each CTA quantises the rows it reads) or ``"routed"`` (both routed
+      launches; w2's rows then cost a quantisation launch of their own). Measured in
+      docs/performance.md ("Token codes").
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
     split_k: int | None = None
     pair_linears: bool = True
     pdl: bool = False
+    token_codes: str = "gathered"
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm,
@@ -86,6 +96,9 @@ class GroupedGemmPolicy:
                 or not 1 <= self.split_k <= MAX_SPLIT_K):
             raise ValueError(f"GroupedGemmPolicy: split_k must be None (automatic) or an "
                              f"integer in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
+        if self.token_codes not in TOKEN_CODES:
+            raise ValueError(f"GroupedGemmPolicy: token_codes must be one of {TOKEN_CODES}, "
+                             f"got {self.token_codes!r}")
         for name in ("pair_linears", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GroupedGemmPolicy: {name} must be a bool, got "

@@ -94,11 +94,13 @@ KERNELS = {spec.algorithm: spec for spec in (
                 "no_reduce", "no_cluster")),
     KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
-               ("no_load", "no_dequant", "no_mma", "no_quant", "no_reduce", "no_cluster"),
+               ("no_load", "no_scale_load", "no_dequant", "no_mma", "no_quant", "no_reduce",
+                "no_cluster"),
                quantizes_tokens=True),
     KernelSpec("wgmma_rs", "grouped_gemm_sm90_wgmma_rs", "GroupedGemmWgmmaRsSm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
-               ("no_load", "no_dequant", "no_mma", "no_quant", "no_reduce", "no_cluster"),
+               ("no_load", "no_scale_load", "no_dequant", "no_mma", "no_quant", "no_reduce",
+                "no_cluster"),
                quantizes_tokens=True),
     KernelSpec("mma_fp8_stream", "grouped_gemm_sm90_mma_fp8_stream",
                "GroupedGemmMmaFp8StreamSm90", "decode", True, ("fp4", "fp8"), WARP_TOKENS, True,
@@ -151,6 +153,11 @@ class GroupedGemmSm90Config:
       first stages' weight and scale copies before that wait -- only where the tile arrays
       are not written by the kernel just before (dense linears: constants). Every launch
       lets the next one begin at its own start (``griddepcontrol.launch_dependents``).
+    token_codes: a kernel that quantises its tokens ("mma_fp8", "wgmma_rs") takes them
+      quantised instead -- e4m3 codes and their f32 scales (``quant.act_quant``'s, the codes
+      it would make) -- and only copies them into its stages: for rows that XLA gathers
+      before the launch anyway, where the quantisation joins the gather, while every CTA of
+      the launch would quantise the same rows again (``GroupedGemmPolicy.token_codes``).
     """
     block_n: int = 8
     num_stages: int = 8
@@ -159,6 +166,7 @@ class GroupedGemmSm90Config:
     ablation: str = ""
     token_stages: int = FP8_TOKEN_BUFFERS
     pdl: str = ""
+    token_codes: bool = False
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -192,6 +200,11 @@ class GroupedGemmSm90Config:
             raise ValueError(f"GroupedGemmSm90Config: pdl must be one of {PDL_MODES} "
                              f"(a warp kernel's; 'weights' with 'mma_fp8' or 'wgmma_rs' "
                              f"only), got {self.pdl!r} with {self.algorithm!r}")
+        if not isinstance(self.token_codes, bool) or (self.token_codes
+                                                      and not spec.quantizes_tokens):
+            raise ValueError(f"GroupedGemmSm90Config: token_codes must be a bool, and False "
+                             f"unless the algorithm quantises its tokens; got "
+                             f"{self.token_codes!r} with {self.algorithm!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -202,6 +215,11 @@ class GroupedGemmSm90Config:
     @property
     def spec(self) -> KernelSpec:
         return KERNELS[self.algorithm]
+
+    @property
+    def takes_codes(self) -> bool:
+        """Whether the launch reads e4m3 token codes and f32 scales (else bf16 rows)."""
+        return self.algorithm in FP8_CODE_ALGORITHMS or self.token_codes
 
     def leaves_out(self, stage: str) -> bool:
         """Whether the ablation leaves ``stage`` (one of the spec's ``ablations``) out."""

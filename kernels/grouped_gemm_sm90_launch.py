@@ -38,7 +38,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           scale_group: cutlass.Constexpr = 1,
                           token_stages: cutlass.Constexpr = 2,
                           paired: cutlass.Constexpr = False,
-                          token_stride: cutlass.Constexpr = 1, pdl: cutlass.Constexpr = ""):
+                          token_stride: cutlass.Constexpr = 1, pdl: cutlass.Constexpr = "",
+                          token_codes: cutlass.Constexpr = False):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -51,10 +52,13 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     (the warp kernels, ungated): ``w_b``, ``s_b`` are a second weight of the same rows and
     format, whose outputs follow ``w_a``'s: ``out`` is [rows, N_a + N_b]. ``token_stride``
     ("mma_fp8"): tile row r reads row (row0 + r) / token_stride of ``x``. ``pdl``: the warp
-    kernels' programmatic dependent launch (``GroupedGemmSm90Config.pdl``)."""
+    kernels' programmatic dependent launch (``GroupedGemmSm90Config.pdl``). ``token_codes``
+    ("mma_fp8", "wgmma_rs"): ``x`` holds e4m3 codes and ``x_scale`` their scales, which the
+    kernel copies instead of quantising bf16 rows."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation,
-                                   token_stages=token_stages, pdl=pdl)
+                                   token_stages=token_stages, pdl=pdl,
+                                   token_codes=bool(token_codes))
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
     # Only the warp kernels take pairs, only those that quantise their tokens a stride.
     extra = ({"paired": True} if paired else {}) | (

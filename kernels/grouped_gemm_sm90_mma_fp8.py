@@ -27,7 +27,9 @@ K block: its largest |x| by shuffles, 8 columns per thread): before the loop the
 blocks of the CTA's range, as (row, block) pairs over the 8 half warps with every pass's
 loads issued first (``first_tokens``); in block kb, thread 16 r + u quantises row r of block
 kb + S - 1 from registers loaded a block earlier and loads block kb + S's
-(``tokens_ahead``). Warps without a tile row (warp w holds rows 2w, 2w + 1) skip the
+(``tokens_ahead``). With ``config.token_codes`` the rows come quantised (e4m3 codes
+[rows, K] and f32 scales [rows, K / 128], ``quant.act_quant``'s): the same threads load a
+block's 8 codes and its scale and store them where they would have stored their own. Warps without a tile row (warp w holds rows 2w, 2w + 1) skip the
 loop's share: their stage rows feed only output columns that are never written.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
@@ -73,6 +75,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                          token_stride)
         # Shared memory: [token stages][weight ring: stage-major, then warp][scale buffers].
         self.token_stages = config.token_stages
+        self.token_codes = config.token_codes
         self.warp_stage_bytes = self.mats * WARP_ROWS * self.row_bytes
         self.weights_offset = self.token_stages * FP8_TOKEN_STAGE_BYTES
         self.scales_offset = self.weights_offset + self.num_stages * WARP_COUNT * (
@@ -85,8 +88,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         return base + (kb % self.token_stages) * FP8_TOKEN_STAGE_BYTES
 
     @cute.jit
-    def first_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb0: Int32, kb1: Int32,
-                     base: Int32, tidx: Int32):
+    def first_tokens(self, mX: cute.Tensor, mXs: cute.Tensor, row0: Int32, rows: Int32,
+                     kb0: Int32, kb1: Int32, base: Int32, tidx: Int32):
         """Before "mma_sync"'s K loop: the first A = ``token_stages - 1`` K blocks of the
         range quantised into their stages, as (row, block) pairs dealt over the CTA's 8 half
         warps (a pass per 8 pairs; every pass's loads issued before the first quantisation,
@@ -113,7 +116,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                 p = 8 * j + half
                 if p >= pairs:
                     p = 8 * j + warp_pair
-                words = self.load_row_block(mX, row0 + p % rows, kb0 + p // rows, unit)
+                words = self.load_row_block(mX, mXs, row0 + p % rows, kb0 + p // rows,
+                                                unit)
             loaded.append(words)
         for j in cutlass.range_constexpr(ahead):
             if 8 * j + warp_pair < pairs:
@@ -122,7 +126,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                                     p % rows, unit, p < pairs)
         x_words = (Int32(0),) * 4
         if self.quantizing_warp(rows, tidx) and kb0 + ahead < kb1:
-            x_words = self.load_tokens(mX, row0, rows, kb0 + ahead, tidx)
+            x_words = self.load_tokens(mX, mXs, row0, rows, kb0 + ahead, tidx)
         return x_words
 
     def quantizing_warp(self, rows: Int32, tidx: Int32):
@@ -132,8 +136,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         return (tidx // 32) * 2 < rows
 
     @cute.jit
-    def tokens_ahead(self, x_words, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32,
-                     kb1: Int32, base: Int32, tidx: Int32):
+    def tokens_ahead(self, x_words, mX: cute.Tensor, mXs: cute.Tensor, row0: Int32,
+                     rows: Int32, kb: Int32, kb1: Int32, base: Int32, tidx: Int32):
         """In K block kb, after its barrier and before its MMAs: the token rows of block
         kb + A (A = ``token_stages - 1``) are quantised into their stage from registers
         loaded a block earlier, and block kb + A + 1's are loaded. The barrier of block kb
@@ -149,11 +153,12 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                 self.quantize_block(x_words, self.token_stage(base, kb + ahead), tidx // 16,
                                     tidx % 16, True)
                 if kb + ahead + 1 < kb1:
-                    x_words = self.load_tokens(mX, row0, rows, kb + ahead + 1, tidx)
+                    x_words = self.load_tokens(mX, mXs, row0, rows, kb + ahead + 1, tidx)
         return x_words
 
     @cute.jit
-    def load_tokens(self, mX: cute.Tensor, row0: Int32, rows: Int32, kb: Int32, tidx: Int32):
+    def load_tokens(self, mX: cute.Tensor, mXs: cute.Tensor, row0: Int32, rows: Int32,
+                    kb: Int32, tidx: Int32):
         """Thread tidx's 8 bf16 of K block ``kb`` of tile row r = tidx / 16 (rows past the
         tile's count in a quantising warp read its first row, whose outputs are never
         written)."""
@@ -161,16 +166,24 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         x_row = row0 + r
         if r >= rows:
             x_row = row0
-        return self.load_row_block(mX, x_row, kb, tidx % 16)
+        return self.load_row_block(mX, mXs, x_row, kb, tidx % 16)
 
     @cute.jit
-    def load_row_block(self, mX: cute.Tensor, x_row: Int32, kb: Int32, unit: Int32):
+    def load_row_block(self, mX: cute.Tensor, mXs: cute.Tensor, x_row: Int32, kb: Int32,
+                       unit: Int32):
         """Columns 8 unit .. 8 unit + 7 of K block ``kb`` of tile row ``x_row`` -- token row
         ``x_row / token_stride`` of ``mX`` (the routed experts' assignment rows read their
-        token, no gather before the launch) -- as four bf16x2 words."""
+        token, no gather before the launch) -- as four bf16x2 words; ``token_codes``: their
+        two words of e4m3 codes and the block's f32 scale bits (twice)."""
         k_in = mX.shape[1]
         if const_expr(self.token_stride != 1):
             x_row = x_row // self.token_stride
+        if const_expr(self.token_codes):
+            codes = load_global_words(
+                mX.iterator.toint() + x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit, 2)
+            scale = load_global_words(
+                mXs.iterator.toint() + (x_row.to(Int64) * (k_in // BLOCK_K) + kb) * 4, 1)
+            return (codes[0], codes[1], scale[0], scale[0])
         src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
         return load_global_words(src, 4)
 
@@ -192,7 +205,9 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
     def quantized_codes(self, x_words):
         """A half warp's 1 x 128 quantisation of one K block of a row (8 columns per thread
         in ``x_words``): the row's largest |x| by shuffles, then the f32 scale bits and this
-        thread's 8 e4m3 codes (two words)."""
+        thread's 8 e4m3 codes (two words); ``token_codes``: those, as loaded."""
+        if const_expr(self.token_codes):
+            return x_words[2], (x_words[0], x_words[1])
         amax = bf16x8_abs_max_bits(x_words)
         for offset in (8, 4, 2, 1):
             other = cute.arch.shuffle_sync_bfly(amax, offset=offset)
@@ -254,9 +269,13 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         if load:
             self.issue_weights(mWa, mWb, w_row, kb, self.weight_stage(base, kb, warp), k_in,
                                lane)
+        # Ablation: scales copied only for the first stages (stale scales are applied).
+        load_scales = kb < self.num_stages if const_expr(self.leaves_out("no_scale_load")) \
+            else True
         if kb % self.scale_group == 0:
-            self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
-                              self.scale_buffer(base, kb, warp), lane)
+            if load_scales:
+                self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
+                                  self.scale_buffer(base, kb, warp), lane)
 
     @cute.jit
     def compute(self, acc: cute.Tensor, base: Int32, kb: Int32, warp: Int32, lane: Int32):

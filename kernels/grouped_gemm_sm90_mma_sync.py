@@ -249,7 +249,7 @@ class GroupedGemmMmaSyncSm90:
                 self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                            rows, kb0 + s, base, warp, tidx)
             cute.arch.cp_async_commit_group()
-        tokens = self.first_tokens(mX, row0, rows, kb0, kb1, base, tidx)
+        tokens = self.first_tokens(mX, mXs, row0, rows, kb0, kb1, base, tidx)
         for kb in cutlass.range(kb0, kb1, unroll=1):
             cute.arch.cp_async_wait_group(self.num_stages - 2)
             cute.arch.barrier()
@@ -258,16 +258,16 @@ class GroupedGemmMmaSyncSm90:
                 self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
                            rows, ahead, base, warp, tidx)
             cute.arch.cp_async_commit_group()
-            tokens = self.tokens_ahead(tokens, mX, row0, rows, kb, kb1, base, tidx)
+            tokens = self.tokens_ahead(tokens, mX, mXs, row0, rows, kb, kb1, base, tidx)
             self.compute(acc, base, kb, warp, lane)
         cute.arch.cp_async_wait_group(0)
 
-    def first_tokens(self, mX, row0, rows, kb0, kb1, base, tidx):
+    def first_tokens(self, mX, mXs, row0, rows, kb0, kb1, base, tidx):
         """Hook before the K loop; returns the state ``tokens_ahead`` carries. Here the
         token rows travel with the weights' copies (``issue``): a placeholder."""
         return Int32(0)
 
-    def tokens_ahead(self, tokens, mX, row0, rows, kb, kb1, base, tidx):
+    def tokens_ahead(self, tokens, mX, mXs, row0, rows, kb, kb1, base, tidx):
         """Hook of K block ``kb``, after its barrier, before its MMAs ("mma_fp8" quantises
         the next block's rows there)."""
         return tokens

@@ -44,7 +44,7 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                "fp8": (fake(u8, (e_, n_, k_)), fake(u8, (e_, dyn(n // 128), dyn(k // 128)))),
                "bf16": (fake(bf16, (e_, n_, k_)), fake(u8, (4,)))}[fmt]
     slots = dyn(support.num_tile_slots(a, e, config.block_n))
-    fp8_x = config.algorithm in support.FP8_CODE_ALGORITHMS     # e4m3 codes + f32 scales
+    fp8_x = config.takes_codes                     # e4m3 codes + f32 scales
     x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
     x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
     out = fake(bf16, (a_, n_))
@@ -56,7 +56,8 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         algorithm=config.algorithm, ablation=config.ablation,
                         scale_group=layout.warp_scale_group(fmt, k // support.BLOCK_K),
                         split_k=config.split_k, token_stages=config.token_stages,
-                        **({"pdl": config.pdl} if config.pdl else {}))
+                        **({"pdl": config.pdl} if config.pdl else {}),
+                        **({"token_codes": True} if config.token_codes else {}))
 
 
 def ptxas_log(tmp_path, compiled) -> str:

@@ -104,7 +104,7 @@ def test_mma_fp8_falls_back_where_it_does_not_apply():
                                   x_dtype="bfloat16", num_tiles=8)
     assert not ok and "mma_fp8" in why
     with pytest.raises(ValueError, match="ablation"):
-        support.GroupedGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_scale_load")
+        support.GroupedGemmSm90Config(block_n=8, algorithm="mma_fp8", ablation="no_token_load")
 
 
 def test_small_decode_launches_split_k_to_fill_the_gpu():

@@ -117,7 +117,7 @@ def test_support_rejects_what_the_kernel_cannot_take():
                 dict(algorithm="wgmma", ablation="no_scale_load"),
                 dict(algorithm="wgmma", ablation="no_mma+no_mma"),
                 dict(algorithm="wgmma", ablation="no_mma+"),
-                dict(algorithm="mma_fp8", block_n=8, ablation="no_scale_load"),
+                dict(algorithm="mma_fp8", block_n=8, ablation="no_token_load"),
                 dict(algorithm="wgmma_fp8", block_n=64, ablation="no_load")):
         with pytest.raises(ValueError, match="GroupedGemmSm90Config"):
             support.GroupedGemmSm90Config(**bad)
@@ -547,17 +547,22 @@ def test_grouped_gemm_takes_fp8_codes_exactly_where_the_kernel_reads_them():
     bf16_rows = jnp.linspace(-3, 3, rows * k).reshape(rows, k).astype(jnp.bfloat16)
     codes, scales = quant.act_quant(bf16_rows)
     with pytest.raises(ValueError, match="grouped_gemm launch: algorithm 'mma_fp8_stream' "
-                                         "with xs bfloat16"):
+                                         r"\(token_codes False\) with xs bfloat16"):
         gemm.launch(bf16_rows, tiles, w, s, config=stream)
     for config in (fp8, support.choose_config(rows, e, "fp4", decode_algorithm="mma_sync")):
-        with pytest.raises(ValueError, match=f"algorithm '{config.algorithm}' with xs "
-                                             "float8_e4m3fn"):
+        with pytest.raises(ValueError, match=f"algorithm '{config.algorithm}' "
+                                             r"\(token_codes False\) with xs float8_e4m3fn"):
             gemm.launch(codes, tiles, w, s, x_scale=scales, config=config)
+    # "mma_fp8" with token_codes takes the codes, and refuses bf16 rows.
+    fp8_codes = dataclasses.replace(fp8, token_codes=True)
+    with pytest.raises(ValueError, match=r"'mma_fp8' \(token_codes True\) with xs bfloat16"):
+        gemm.launch(bf16_rows, tiles, w, s, config=fp8_codes)
     xs, x_scale = gemm.quantized_rows(bf16_rows, None, fp8, simulate=True)
     assert x_scale is None and xs is bf16_rows
-    xs, x_scale = gemm.quantized_rows(bf16_rows, None, stream, simulate=True)
-    np.testing.assert_array_equal(np.asarray(xs, np.float32), np.asarray(codes, np.float32))
-    np.testing.assert_array_equal(np.asarray(x_scale), np.asarray(scales))
+    for config in (stream, fp8_codes):
+        xs, x_scale = gemm.quantized_rows(bf16_rows, None, config, simulate=True)
+        np.testing.assert_array_equal(np.asarray(xs, np.float32), np.asarray(codes, np.float32))
+        np.testing.assert_array_equal(np.asarray(x_scale), np.asarray(scales))
 
 
 @pytest.mark.parametrize("k,group", [(384, 1), (768, 2)])
