@@ -74,7 +74,7 @@ class GroupedGemmPolicy:
       quantisation joins that gather, and the launch's CTAs no longer quantise the same rows
       each), ``"none"`` (each CTA quantises the rows it reads) or ``"routed"`` (both routed
       launches; w2's rows then cost a quantisation launch of their own). Measured in
-      docs/performance.md ("Token codes").
+      docs/performance.md ("token codes for the routed experts").
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM

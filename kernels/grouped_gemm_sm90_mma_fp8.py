@@ -3,7 +3,8 @@
 Same launcher, tiles, copies pipeline and epilogue as ``grouped_gemm_sm90_mma_sync`` ("mma_sync"), for FP4
 and FP8 expert weights with the FP8 activation simulation on (the official numerics): the
 bf16 activations ``x`` [rows, K] are quantised in the kernel -- e4m3 codes and one f32
-scale per token and K block of 128, bit for bit ``quant.act_quant`` -- and the warps run
+scale per token and K block of 128, bit for bit ``quant.act_quant`` (or, with
+``config.token_codes``, come quantised so) -- and the warps run
 ``mma.sync.m16n8k32`` on e4m3 operands, so that the weights need no bf16 conversion:
 
 * FP4: 8 codes per 32-bit word become two words of e4m3 codes in 7 integer instructions
@@ -29,17 +30,19 @@ loads issued first (``first_tokens``); in block kb, thread 16 r + u quantises ro
 kb + S - 1 from registers loaded a block earlier and loads block kb + S's
 (``tokens_ahead``). With ``config.token_codes`` the rows come quantised (e4m3 codes
 [rows, K] and f32 scales [rows, K / 128], ``quant.act_quant``'s): the same threads load a
-block's 8 codes and its scale and store them where they would have stored their own. Warps without a tile row (warp w holds rows 2w, 2w + 1) skip the
-loop's share: their stage rows feed only output columns that are never written.
+block's 8 codes and its scale and store them where they would have stored their own.
+Warps without a tile row (warp w holds rows 2w, 2w + 1) skip the loop's share: their
+stage rows feed only output columns that are never written.
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
 of the 8 go to those columns directly, for weights and tokens alike.
 
 Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8. Ablations
-(benchmarks only, outputs wrong by design): no_load, no_dequant (FP4 codes
-multiplied as they are), no_mma (conversion kept, the MMAs replaced by one integer op),
-no_quant (only the first K block's token rows loaded and quantised), and mma_sync's
+(benchmarks only, outputs wrong by design): no_load, no_scale_load (the weights' scales
+copied for the first stages only), no_dequant (FP4 codes multiplied as they are), no_mma
+(conversion kept, the MMAs replaced by one integer op), no_quant (only the first K block's
+token rows loaded and quantised), and mma_sync's
 no_reduce / no_cluster (a split's sums not added; the cluster launch kept / not).
 Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
 cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
@@ -117,7 +120,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                 if p >= pairs:
                     p = 8 * j + warp_pair
                 words = self.load_row_block(mX, mXs, row0 + p % rows, kb0 + p // rows,
-                                                unit)
+                                            unit)
             loaded.append(words)
         for j in cutlass.range_constexpr(ahead):
             if 8 * j + warp_pair < pairs:
