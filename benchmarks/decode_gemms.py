@@ -25,7 +25,8 @@ weight + scale bytes (routed: the touched experts') / ``timing.PEAK_TBPS``; a 1 
 copy is timed first as the achievable bandwidth.
 
 Variants: "model" (``resolve_config`` under the default ``GroupedGemmPolicy``, as the model
-calls it; the routed launches with both launches' features, as the MoE op resolves them);
+calls it; the routed launches with both launches' features, as the MoE op resolves them, the
+gated one on token codes where the op gathers its rows -- then also "kernel quantises");
 ``--algorithms``: the config under each named decode algorithm (the policy's
 ``decode_algorithm``; where it does not apply, ``choose_config``'s fallback); ``--sweep``:
 pipeline stages x K split (those that fit shared memory and whole scale groups); on
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 
 from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases
-from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config
+from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config, use_row_tiles
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels.grouped_gemm_config import KERNELS, MAX_SPLIT_K, SMEM_BYTES
 from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, stream_batch_blocks, warp_scale_group
@@ -122,7 +123,15 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
         return resolve_config(GroupedGemmPolicy(**policy), rows, shape.groups, shape.fmt,
                               k_ins, shape.simulate, n_outs, gated=shape.gated)
     model = config(**({"decode_algorithm": base} if base else {}))
+    quantising = model
+    if (shape.routed and shape.gated and model.spec.quantizes_tokens
+            and GroupedGemmPolicy().token_codes != "none"
+            and not use_row_tiles(rows, shape.groups, model)):
+        # The op hands the gated launch its gathered rows as codes (ffi/moe_sm90.py).
+        model = dataclasses.replace(model, token_codes=True)
     out = [(f"policy {base}" if base else "model", model)]
+    if quantising != model:
+        out.append(("kernel quantises (token_codes none)", quantising))
     for algorithm in algorithms:
         other = config(decode_algorithm=algorithm)
         if other not in [c for _, c in out]:

@@ -14,7 +14,8 @@ sys.path.insert(0, BENCH)
 import decode_gemms  # noqa: E402
 from dsv4_jax import quant  # noqa: E402
 from dsv4_jax.config import Config  # noqa: E402
-from dsv4_jax.ffi.moe_sm90 import moe_configs  # noqa: E402
+from dsv4_jax.ffi.grouped_gemm_sm90 import use_row_tiles  # noqa: E402
+from dsv4_jax.ffi.moe_sm90 import _token_codes, moe_configs  # noqa: E402
 from dsv4_jax.kernels import grouped_gemm_config as support  # noqa: E402
 
 
@@ -50,7 +51,9 @@ def test_variants_start_with_the_model_config_and_fit():
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_routed_launches_take_the_configs_the_moe_op_gives_them(tokens):
     """The routed rows' "model" configs are the MoE op's own (``moe_configs``: both launches'
-    features cap the K splits; "auto" picks each launch's kernel, split and stages)."""
+    features cap the K splits; "auto" picks each launch's kernel, split and stages; the
+    gated launch takes token codes where the op gathers its rows: not at T = 1's row
+    tiles)."""
     cfg = Config.flash(quantized=True)
     shapes = decode_gemms.gemm_shapes(cfg)
     rows = tokens * cfg.n_activated_experts
@@ -59,6 +62,9 @@ def test_routed_launches_take_the_configs_the_moe_op_gives_them(tokens):
                       jax.ShapeDtypeStruct((e, n, k // 32), quant.E8M0_DTYPE))
     d, inter = cfg.dim, cfg.moe_inter_dim
     want = moe_configs(rows, w(inter, d), w(d, inter), simulate=True, policy=None)
+    want = _token_codes(*want, None, gathered=not use_row_tiles(rows, e, want[0]),
+                        explicit=False)
+    assert want[0].token_codes == (tokens > 1) and not want[1].token_codes
     got = tuple(decode_gemms.variants(shapes[name], rows, sweep=False, ablations=False)[0][1]
                 for name in ("routed_w13", "routed_w2"))
     assert got == want
