@@ -7,7 +7,10 @@
 Shapes: Pro = 128 heads, 128 window + 1024 compressed entries; Flash = 64 heads, 128 + 512;
 hca1m = Flash heads, 128 + 8192 (an HCA layer at 1M context attends every entry).
 ``--pools bf16,fp8``: the compressed entries as BF16 rows and/or as 584-byte FP8 rows
-(``Cache.init(kv_dtype="fp8")``), timed side by side.
+(``Cache.init(kv_dtype="fp8")``), timed side by side. ``--rope``: each config also with the
+query preparation inside the kernel (``rope=(cos, sin)``, ``q_norm_eps``: the heads'
+RMSNorm, the RoPE and the output's inverse RoPE; ``KernelPolicy(attention_rope=True)``),
+its rows labelled ``/rope``, the kernel without it timed next to it.
 Each token reads its own entries (distinct rows, as in batched decode), so the unique entry
 bytes are T * (K + K2) KB. Timing: one jitted function runs R calls back to back, each on its
 own random data (generated on the device; identical calls would be merged by XLA), so that
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import kv_entry
+from dsv4_jax.ffi.rope import rope_table
 from dsv4_jax.ffi.sparse_attention import sparse_attention_cute, sparse_attention_reference
 from dsv4_jax.kernels.sparse_attention_config import ABLATIONS, SparseAttentionSm90Config
 from timing import PEAK_TBPS, PEAK_TFLOPS, back_to_back_seconds
@@ -71,7 +75,7 @@ def timed(fn, args, groups=7, per_group=10):
 
 
 def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=True,
-              fp8=False):
+              fp8=False, rope=False):
     cfg = SHAPES[name]
     h, k, k2 = cfg["heads"], cfg["window"], cfg["extra"]
     entry = kv_entry.entry_bytes(512, 64) if fp8 else 1024
@@ -82,6 +86,13 @@ def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=
     kv, extra_kv, sink, sets = make_sets(jax.random.key(seed), t, h, k, k2, reps)
     if fp8:
         extra_kv = kv_entry.encode(extra_kv, 64)
+    # The query preparation's cos/sin table: the tokens at positions 4096 + i, the angles of
+    # 64 RoPE channels at base 10000 (any angles cost the kernel the same).
+    prep = {}
+    if rope:
+        inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, 64, 2, dtype=jnp.float32) / 64))
+        prep = dict(rope=rope_table(4096 + jnp.arange(t, dtype=jnp.int32), inv_freq),
+                    q_norm_eps=1e-6)
 
     def runner(impl, n, ablation=""):
         def run(kv, extra_kv, sink, sets):
@@ -93,7 +104,7 @@ def bench_one(name, t, ablations, seed, config=SparseAttentionSm90Config(), xla=
                 else:
                     outs.append(sparse_attention_cute(
                         q, kv, idx, sink, extra_kv=extra_kv, extra_idx=xidx, scale=SCALE,
-                        config=dataclasses.replace(config, ablation=ablation)))
+                        config=dataclasses.replace(config, ablation=ablation), **prep))
             return outs
         return jax.jit(run)
 
@@ -126,6 +137,8 @@ def main(argv=None):
                         "timed with the first only")
     p.add_argument("--no-xla", action="store_true", help="skip timing the XLA reference")
     p.add_argument("--pools", default="bf16", help="bf16 and/or fp8 compressed entries")
+    p.add_argument("--rope", action="store_true",
+                   help="each config also with the query preparation in the kernel")
     p.add_argument("--markdown", help="append the table to this file")
     a = p.parse_args(argv)
     configs = [parse_config(c) for c in a.config.split(",")]
@@ -134,16 +147,18 @@ def main(argv=None):
           f"jax {jax.__version__}, kernel config {a.config}", flush=True)
     rows, ablation_rows = [], []
     # Configs innermost: their rows for one shape are timed next to each other.
-    for name, t, (cname, config), pool in [(n, int(t), c, pool) for n in a.shapes.split(",")
-                                           for t in a.tokens.split(",") for c in configs
-                                           for pool in a.pools.split(",")]:
+    preps = (False, True) if a.rope else (False,)
+    for name, t, (cname, config), pool, rope in [
+            (n, int(t), c, pool, r) for n in a.shapes.split(",") for t in a.tokens.split(",")
+            for c in configs for pool in a.pools.split(",") for r in preps]:
         want = ((a.ablations == "all" or cname in a.ablations.split(","))
-                and (name, t) in (("pro", 64), ("flash", 128)))
+                and (name, t) in (("pro", 64), ("flash", 128)) and not rope)
         abl_names = [x for x in ABLATIONS if x] if want else []
-        xla = not a.no_xla and config == configs[0][1]
+        xla = not a.no_xla and config == configs[0][1] and not rope
         row, abl = bench_one(name, t, abl_names, seed=t, config=config, xla=xla,
-                             fp8=pool == "fp8")
+                             fp8=pool == "fp8", rope=rope)
         cname = cname if pool == "bf16" else f"{cname}/{pool}"
+        cname = f"{cname}/rope" if rope else cname
         row["config"] = cname
         rows.append(row)
         print(f"{cname:5s} {name:5s} T={t:4d}: {row['us']:8.1f} us  xla {row['xla_us']:8.1f} us  "
