@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config, use_row_tiles
+from dsv4_jax.ffi.moe_sm90 import with_token_codes
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels.grouped_gemm_config import KERNELS, MAX_SPLIT_K, SMEM_BYTES
 from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, stream_batch_blocks, warp_scale_group
@@ -124,11 +125,11 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
                               k_ins, shape.simulate, n_outs, gated=shape.gated)
     model = config(**({"decode_algorithm": base} if base else {}))
     quantising = model
-    if (shape.routed and shape.gated and model.spec.quantizes_tokens
-            and GroupedGemmPolicy().token_codes != "none"
-            and not use_row_tiles(rows, shape.groups, model)):
-        # The op hands the gated launch its gathered rows as codes (ffi/moe_sm90.py).
-        model = dataclasses.replace(model, token_codes=True)
+    if shape.routed:
+        # Token codes as the MoE op sets them (its gated launch first, then w2).
+        model = with_token_codes(model, model, GroupedGemmPolicy(),
+                                 gathered=not use_row_tiles(rows, shape.groups, model),
+                                 explicit=False)[0 if shape.gated else 1]
     out = [(f"policy {base}" if base else "model", model)]
     if quantising != model:
         out.append(("kernel quantises (token_codes none)", quantising))

@@ -32,7 +32,8 @@ from . import moe_schedule_sm90 as moe_schedule
 from .moe_reference import sum_rows_per_token
 from .policy import GroupedGemmPolicy
 
-__all__ = ["moe_configs", "moe_support", "moe_expert_rows_cute", "moe_experts_cute"]
+__all__ = ["moe_configs", "moe_support", "with_token_codes", "moe_expert_rows_cute",
+           "moe_experts_cute"]
 
 MoeConfigs = tuple[GroupedGemmSm90Config, GroupedGemmSm90Config]
 
@@ -95,7 +96,7 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     stride = 1
     if order is None and source_stride > 0 and config.spec.quantizes_tokens:
         rows, stride = None, source_stride
-    config, down_config = _token_codes(config, down_config, policy, gathered=rows is not None,
+    config, down_config = with_token_codes(config, down_config, policy, gathered=rows is not None,
                                        explicit=explicit)
     xs, x_scale = gemm.quantized_rows(x, rows, config, simulate)
     h = gemm.launch(xs, tiles, *w1, weight_b=w3[0], scale_b=w3[1], route_w=rw,
@@ -106,7 +107,7 @@ def _sorted_rows(x, source_row, ea, wa, w1, w3, w2, *, swiglu_limit, simulate, p
     return position, ys, valid_sorted
 
 
-def _token_codes(config, down_config, policy: GroupedGemmPolicy | None, *, gathered: bool,
+def with_token_codes(config, down_config, policy: GroupedGemmPolicy | None, *, gathered: bool,
                  explicit: bool) -> MoeConfigs:
     """The launches' configs under ``policy.token_codes``: the gated launch takes its rows
     quantised by XLA where they are ``gathered`` (the quantisation joins the gather), both

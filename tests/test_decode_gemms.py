@@ -15,7 +15,7 @@ import decode_gemms  # noqa: E402
 from dsv4_jax import quant  # noqa: E402
 from dsv4_jax.config import Config  # noqa: E402
 from dsv4_jax.ffi.grouped_gemm_sm90 import use_row_tiles  # noqa: E402
-from dsv4_jax.ffi.moe_sm90 import _token_codes, moe_configs  # noqa: E402
+from dsv4_jax.ffi.moe_sm90 import with_token_codes, moe_configs  # noqa: E402
 from dsv4_jax.kernels import grouped_gemm_config as support  # noqa: E402
 
 
@@ -62,7 +62,7 @@ def test_routed_launches_take_the_configs_the_moe_op_gives_them(tokens):
                       jax.ShapeDtypeStruct((e, n, k // 32), quant.E8M0_DTYPE))
     d, inter = cfg.dim, cfg.moe_inter_dim
     want = moe_configs(rows, w(inter, d), w(d, inter), simulate=True, policy=None)
-    want = _token_codes(*want, None, gathered=not use_row_tiles(rows, e, want[0]),
+    want = with_token_codes(*want, None, gathered=not use_row_tiles(rows, e, want[0]),
                         explicit=False)
     assert want[0].token_codes == (tokens > 1) and not want[1].token_codes
     got = tuple(decode_gemms.variants(shapes[name], rows, sweep=False, ablations=False)[0][1]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from grouped_gemm_compile import compile_variant, ptxas_log
 from dsv4_jax.ffi import cases, dispatch
-from dsv4_jax.ffi.moe_sm90 import _token_codes, moe_configs
+from dsv4_jax.ffi.moe_sm90 import with_token_codes, moe_configs
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels.grouped_gemm_config import GroupedGemmSm90Config
 
@@ -54,7 +54,7 @@ def _flash_configs(rows: int):
 def test_which_launches_take_codes(mode, gathered, explicit, want):
     gated, down = _flash_configs(48)                 # batch 8, k = 6: "wgmma_rs" both
     assert gated.spec.quantizes_tokens and down.spec.quantizes_tokens
-    got = _token_codes(gated, down, GroupedGemmPolicy(token_codes=mode), gathered=gathered,
+    got = with_token_codes(gated, down, GroupedGemmPolicy(token_codes=mode), gathered=gathered,
                        explicit=explicit)
     assert (got[0].token_codes, got[1].token_codes) == want
     assert got[0].takes_codes == want[0] and got[1].takes_codes == want[1]
@@ -64,7 +64,7 @@ def test_kernels_that_take_codes_never_quantise():
     """Prefill tiles take codes already; a policy never asks them to again."""
     gated, down = _flash_configs(4096 * 6)
     assert gated.takes_codes and not gated.spec.quantizes_tokens
-    got = _token_codes(gated, down, GroupedGemmPolicy(token_codes="routed"), gathered=True,
+    got = with_token_codes(gated, down, GroupedGemmPolicy(token_codes="routed"), gathered=True,
                        explicit=False)
     assert got == (gated, down)
 
