@@ -240,11 +240,12 @@ class GroupedGemmSm90Config:
             return self.num_stages * stage + 3072
         if self.algorithm == "wgmma_fp8_coop":   # grouped_gemm_sm90_wgmma_fp8_coop
             # 128 weight rows per stage (gated: 64 of each matrix), the token codes and
-            # scales (4 lanes' groups, each padded by 4 slots: ``x_scale_slots``); A tiles
-            # per (warpgroup, parity); gated, the up sums handed over.
+            # scales (4 lanes' groups, each padded by 4 slots: ``x_scale_slots``); FP4: A
+            # tiles per (warpgroup, parity) (FP8 weights are copied into the stages' A
+            # tiles: their rows' bytes); gated, the up sums handed over.
             stage = (COOP_ROWS * (ROW_BYTES[weight_format] + 4 + 4)
                      + self.block_n * (BLOCK_K + 4) + 4 * 4 * 4)
-            a_tiles = 2 * 2 * BLOCK_M * BLOCK_K
+            a_tiles = 0 if weight_format == "fp8" else 2 * 2 * BLOCK_M * BLOCK_K
             handoff = BLOCK_M * self.block_n * 4 if gated else 0
             return self.num_stages * stage + a_tiles + handoff + 3072
         cta_rows = COOP_ROWS if self.algorithm == "wgmma_coop" else BLOCK_M

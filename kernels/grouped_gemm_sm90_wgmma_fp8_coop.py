@@ -19,11 +19,12 @@ Dataflow (384 threads; the producer hands registers to the math warpgroups with
 ``setmaxnreg``):
 
 1. WG0, K block ``kb``: cp.async copies of the CTA's 128 weight rows' raw bytes (consecutive
-   threads copy consecutive 16-byte chunks: whole 32-byte sectors), their scale words
+   threads copy consecutive 16-byte chunks: whole 32-byte sectors; FP8: into the stage's A
+   tiles), their scale words
    (thread t: row t), the tile's token codes and token scales into stage
    ``kb % num_stages``; an mbarrier arrive on their completion.
-2. Math warpgroup w (WG1 + w), two K blocks per iteration: waits for a stage, converts its
-   64 rows into its own e4m3 A tile of that block's parity (thread t: row t / 2, K half
+2. Math warpgroup w (WG1 + w), two K blocks per iteration: waits for a stage, converts
+   (FP4) its 64 rows into its own e4m3 A tile of that block's parity (thread t: row t / 2, K half
    t % 2; the codes stored as 32-bit words at the swizzled address, ``a_chunk_offset``) and
    writes the rows' promotion scales, then issues that block's WGMMA chain into a block
    accumulator of the same parity. The second block's conversion runs under the first
@@ -35,6 +36,13 @@ Dataflow (384 threads; the producer hands registers to the math warpgroups with
 3. Epilogue (bf16): ungated, each warpgroup writes its 64 output features of the tile's
    rows; gated, the up projection's warpgroup stores its sums in shared memory, and after a
    barrier of both the gate's warpgroup writes SwiGLU x routing weight.
+
+FP8 weights need no conversion (``direct``): the producer copies each 16-byte chunk of a
+weight row straight to its swizzled place in the stage's A tile (``a_chunk_offset``; stage s
+holds A tiles 2 s and 2 s + 1, the CTA's rows 0-63 and 64-127 -- gated, w1's and w3's 64),
+the math warpgroups only wait, multiply and promote, and the promotion's weight scale is the
+128 x 128 block's one scale, so its products with the token scales are per column (one FMUL
+per column, one FFMA per element). Without the conversion's own A tiles a stage more fits.
 
 A tile row of a math warpgroup is converted by the warp that holds its accumulator rows
 (row t / 2 of thread t: warp w converts rows 16 w .. 16 w + 15, the rows of its WGMMA
@@ -56,7 +64,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .sm90_primitives import cp_async_arrive, store_shared_b32x4, store_shared_f32x4
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
-from .grouped_gemm_sm90_convert import copy_bytes
+from .grouped_gemm_sm90_convert import copy_bytes, e8m0_f32
 from .grouped_gemm_sm90_wgmma import DEQUANT_BARRIER
 from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, GroupedGemmWgmmaFp8Sm90, _fence_operands,
                                           convert_half_row)
@@ -104,19 +112,24 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         # Math warpgroup w multiplies one (matrix, 64-row block): gated, matrix w of the
         # CTA's 64 rows; ungated, rows [64 w, 64 w + 64) of the one matrix.
         self.cta_rows = BLOCK_M if gated else 2 * BLOCK_M
-        # A tiles: (math warpgroup, parity of the K block), converted by the math
-        # warpgroups themselves (not with the stage's copies as in "wgmma_fp8").
+        # FP8 weights are copied into the stages' A tiles as they are (``direct``): two per
+        # stage (the CTA's rows 0-63, 64-127). FP4: A tiles per (math warpgroup, parity of
+        # the K block), converted by the math warpgroups themselves.
+        self.direct = weight_format == "fp8"
         self.a_parity = 2
-        self.a_buffers = self.math_wgs * self.a_parity
+        self.a_buffers = (2 * self.num_stages if self.direct
+                          else self.math_wgs * self.a_parity)
 
     @cute.jit
     def storage_struct(self, sA_layout: cute.ComposedLayout, sB_layout: cute.ComposedLayout):
         """Shared memory: per stage the rows' promotion scales (written by the math
         warpgroups), the token scales, one scale word per weight row and matrix, the raw
-        weight bytes and the token codes; the math warpgroups' A tiles; gated, the up
-        projection's accumulators handed to the gate's warpgroup for the epilogue."""
+        weight bytes (FP4; FP8 weights go to the A tiles) and the token codes; the A tiles;
+        gated, the up projection's accumulators handed to the gate's warpgroup for the
+        epilogue."""
         stages, mats, bn, rows = self.num_stages, self.mats, self.block_n, self.cta_rows
         handoff = BLOCK_M * bn if self.gated else 4
+        raw_bytes = 16 if self.direct else stages * mats * rows * self.row_bytes
 
         @cute.struct
         class SharedStorage:
@@ -126,8 +139,7 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                                    16]
             sScale: cute.struct.Align[cute.struct.MemRange[Int32, stages * mats * rows], 16]
             sUp: cute.struct.Align[cute.struct.MemRange[Float32, handoff], 16]
-            sRaw: cute.struct.Align[
-                cute.struct.MemRange[cutlass.Uint8, stages * mats * rows * self.row_bytes], 128]
+            sRaw: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, raw_bytes], 128]
             sA: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[
@@ -149,7 +161,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
         for kb in cutlass.range(num_k, unroll=1):
             pipe.producer_acquire(state)
             self.issue_block(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, row0, rows, kb,
-                             state.index, raw, scales, xs, sB, tidx)
+                             state.index, raw, scales, xs, sB, tidx,
+                             storage.sA.data_ptr().toint())
             cp_async_arrive(pipe.producer_get_barrier(state))
             pipe.producer_commit(state)
             state.advance()
@@ -159,11 +172,13 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
     def issue_block(self, mX: cute.Tensor, mXs: cute.Tensor, mWa: cute.Tensor,
                     mSa: cute.Tensor, mWb: cute.Tensor, mSb: cute.Tensor, expert: Int32,
                     m_tile: Int32, row0: Int32, rows: Int32, kb: Int32, stage: Int32,
-                    raw: Int32, scales: Int32, xs: Int32, sB: cute.Tensor, tidx: Int32):
+                    raw: Int32, scales: Int32, xs: Int32, sB: cute.Tensor, tidx: Int32,
+                    a_tiles: Int32):
         """Thread ``tidx``'s cp.async copies of K block ``kb`` into ``stage``: 16-byte weight
-        chunks ``tidx + 128 i`` of each matrix's ``cta_rows`` rows, row ``tidx``'s scale
-        word (FP8: thread 0 the row block's word), 16-byte token chunks ``tidx + 128 i``
-        and token ``tidx``'s scale."""
+        chunks ``tidx + 128 i`` of each matrix's ``cta_rows`` rows (FP8: to their places in
+        the stage's A tiles at ``a_tiles``), row ``tidx``'s scale word (FP8: thread 0 the
+        row block's word), 16-byte token chunks ``tidx + 128 i`` and token ``tidx``'s
+        scale."""
         bn, cta_rows = self.block_n, self.cta_rows
         n_out = mWa.shape[1]
         k_in = mX.shape[1]
@@ -184,6 +199,12 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             src = (w_base + (w_row0 + tidx // chunks) * w_stride
                    + (kb * self.row_bytes + (tidx % chunks) * 16).to(Int64))
             dst = raw + (stage * self.mats + mat) * cta_rows * self.row_bytes + tidx * 16
+            if const_expr(self.direct):
+                # Row mat * cta_rows + r of the stage's two A tiles (r = tidx / 8 + 16 i;
+                # each tile is BLOCK_M rows of BLOCK_K bytes, so the rows run on across
+                # them); the swizzle depends on r mod 8 = (tidx / 8) mod 8 only.
+                r = tidx // chunks
+                dst = a_tiles + a_chunk_offset(2 * stage, mat * cta_rows + r, tidx % chunks)
             for i in cutlass.range_constexpr(cta_rows * chunks // 128):
                 copy_bytes(atom16, 16, src, dst + i * 128 * 16)
                 src = src + w_stride * rows_per_copy
@@ -256,9 +277,9 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                 rows: Int32, num_k: Int32, wg_tidx: Int32, storage, sA: cute.Tensor,
                 sB: cute.Tensor, pipe: pipeline.PipelineAsync, tiled_mma: cute.TiledMma,
                 math_wg: Int32):
-        """Math warpgroup ``math_wg``: per iteration two K blocks, each converted, then its
-        chain issued; the first promoted under the second's chain; then the epilogue (gated:
-        the up projection's warpgroup hands its sums to the gate's)."""
+        """Math warpgroup ``math_wg``: per iteration two K blocks, each converted (FP4),
+        then its chain issued; the first promoted under the second's chain; then the
+        epilogue (gated: the up projection's warpgroup hands its sums to the gate's)."""
         raw = storage.sRaw.data_ptr().toint()
         scales = storage.sScale.data_ptr().toint()
         ws = storage.sWs.data_ptr().toint()
@@ -285,24 +306,28 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             stages = []
             for p in cutlass.range_constexpr(2):
                 pipe.consumer_wait(state)
-                self.convert_rows(raw, scales, ws, state.index, mat, row_block, 2 * kb2 + p,
-                                  wg_tidx, a_tiles, math_wg * 2 + p)
-                # Ordinary stores (A tiles) and cp.async stores (token codes) are read by
-                # the WGMMAs (async proxy); the warpgroup's four warps wrote the A tiles.
+                a_buf = state.index * 2 + math_wg
+                if const_expr(not self.direct):
+                    a_buf = math_wg * 2 + p
+                    self.convert_rows(raw, scales, ws, state.index, mat, row_block,
+                                      2 * kb2 + p, wg_tidx, a_tiles, a_buf)
+                # Ordinary stores (A tiles) and cp.async stores (token codes, FP8 weights)
+                # are read by the WGMMAs (async proxy); the warpgroup's four warps wrote the
+                # A tiles.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=dequant_barrier, number_of_threads=128)
                 _fence_operands([blk[p]])        # the last promotion's reads come first
                 cute.nvgpu.warpgroup.fence()
                 for kk in cutlass.range_constexpr(0 if self.leave_out["no_mma"] else num_kk):
                     tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, kk > 0)
-                    cute.gemm(tiled_mma, blk[p], tCrA[None, None, kk, math_wg * 2 + p],
+                    cute.gemm(tiled_mma, blk[p], tCrA[None, None, kk, a_buf],
                               tCrB[None, None, kk, state.index], blk[p])
                 cute.nvgpu.warpgroup.commit_group()
                 stages.append(state.clone())
                 state.advance()
             for p in cutlass.range_constexpr(2):
-                self.promote_rows(acc, blk[p], tCcC, ws, xs, stages[p].index, mat, row_block,
-                                  rows, 1 - p)
+                self.promote_rows(acc, blk[p], tCcC, ws, scales, xs, stages[p].index, mat,
+                                  row_block, rows, 2 * kb2 + p, 1 - p)
                 pipe.consumer_release(stages[p])
         if const_expr(self.gated):
             self.gated_epilogue(mRw, mOut, m_tile, row0, rows, thr_mma, acc, wg_tidx, math_wg,
@@ -337,10 +362,12 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
 
     @cute.jit
     def promote_rows(self, acc: cute.Tensor, blk: cute.Tensor, tCcC: cute.Tensor, ws: Int32,
-                     xs: Int32, stage: Int32, mat: Int32, row_block: Int32, rows: Int32,
-                     wait: cutlass.Constexpr):
+                     scales: Int32, xs: Int32, stage: Int32, mat: Int32, row_block: Int32,
+                     rows: Int32, kb: Int32, wait: cutlass.Constexpr):
         """Waits for all but ``wait`` WGMMA chains, then ``acc[m, n] += blk[m, n] *
-        w_scale[row_block + m] * x_scale[n]`` for one K block's stage of matrix ``mat``.
+        w_scale[row_block + m] * x_scale[n]`` for K block ``kb``'s stage of matrix ``mat``
+        (FP8 weights: one ``w_scale``, the block's, from the stage's scale word at
+        ``scales``, so the products ``w_scale * x_scale[n]`` are one per column).
 
         Columns ``n`` go in groups of ``PROMOTE_COLUMNS`` (8 where that does not divide
         ``block_n``): a group wholly past the tile's
@@ -361,7 +388,14 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             cute.make_ptr(Float32, ws + first * 4, cute.AddressSpace.smem, assumed_align=16),
             cute.make_layout((BLOCK_M,)))
         # Element i's row is element (i % 4)'s.
-        row_scale = [w_scales[tCcC[v][0]] for v in range(4)]
+        if const_expr(self.direct):
+            word = cute.make_tensor(
+                cute.make_ptr(Int32, scales + (stage * self.mats + mat) * self.cta_rows * 4,
+                              cute.AddressSpace.smem, assumed_align=4), cute.make_layout((1,)))[0]
+            block_scale = e8m0_f32((word >> (8 * (kb % 4))) & 0xFF)
+            row_scale = [block_scale] * 4
+        else:
+            row_scale = [w_scales[tCcC[v][0]] for v in range(4)]
         lane_pair = tCcC[0][1] // 2                    # t % 4
         x_base = xs + (stage * x_scale_slots(bn) + x_scale_slot(2 * lane_pair, bn)) * 4
         x_first = cute.make_tensor(

@@ -33,9 +33,14 @@ def _pick(fmt="fp4", **kw):
     return support.choose_config(FLASH_ROWS, FLASH_EXPERTS, fmt, **(args | kw))
 
 
+# A tiles of the FP4 build (2 warpgroups x 2 parities) and of the FP8 build at 6 stages
+# (two per stage, the producer's direct copies).
+A_TILES = 12
+
+
 def _collect_offsets(layout, out: list):
     """(Plain Python, traced inline: ``range`` loops unroll.)"""
-    for buf in range(4):
+    for buf in range(A_TILES):
         for row in range(support.BLOCK_M):
             for chunk in range(support.BLOCK_K // 16):
                 out.append(((buf, row, chunk), cute.crd2idx((row, 16 * chunk, buf), layout)))
@@ -47,17 +52,18 @@ def _a_tile_offsets(out: cutlass.Constexpr):
     tiles, appended to ``out`` as ((buf, row, chunk), offset) at trace time."""
     layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (support.BLOCK_M, 128,
                                                                   support.BLOCK_K),
-                                           cutlass.Float8E4M3FN, 4)
+                                           cutlass.Float8E4M3FN, A_TILES)
     _collect_offsets(layout, out)
 
 
 def test_a_chunk_offsets_are_cutes_swizzled_layout(monkeypatch):
-    """The converting threads store 16-byte chunks at ``a_chunk_offset``: the same bytes
-    the WGMMA descriptors of ``make_smem_layout_a`` read, for every chunk of 4 tiles."""
+    """The converting threads (FP4) and the producer's copies (FP8) store 16-byte chunks at
+    ``a_chunk_offset``: the same bytes the WGMMA descriptors of ``make_smem_layout_a`` read,
+    for every chunk of 12 tiles."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     offsets = []
     cute.compile(_a_tile_offsets, offsets)
-    assert len(offsets) == 4 * support.BLOCK_M * support.BLOCK_K // 16
+    assert len(offsets) == A_TILES * support.BLOCK_M * support.BLOCK_K // 16
     for (buf, row, chunk), offset in offsets:
         assert a_chunk_offset(buf, row, chunk) == offset, (buf, row, chunk)
 
@@ -132,7 +138,8 @@ def test_support_names_what_fp8_coop_cannot_take():
 def test_fp8_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_n):
     """Each math warpgroup multiplies one matrix (gated) or one 64-row block: two K blocks'
     chains per iteration of 4 e4m3 WGMMAs of K = 32, and converts its own rows (FP4: 2 fold
-    tables of 4 conversions per thread and K block); the producer hands registers over;
+    tables of 4 conversions per thread and K block; FP8: none); the producer hands registers
+    over;
     gated, the up projection's sums cross to the gate's warpgroup through shared memory
     after a barrier of both; no spills, no serialized WGMMAs."""
     config = dataclasses.replace(_pick(fmt, gated=gated), block_n=block_n)
@@ -143,6 +150,9 @@ def test_fp8_coop_compiles_for_sm90a_without_spills(tmp_path, fmt, gated, block_
     assert len(mma) == 2 * 4
     assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == (
         2 * 2 * 4 if fmt == "fp4" else 0)
+    # FP4: each converting thread stores its 4 chunks per K block (two blocks per
+    # iteration); FP8 weights are copied by the producer into the A tiles as they are.
+    assert len(re.findall(r"st\.shared\.v4\.b32", ptx)) == (8 if fmt == "fp4" else 0)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40;", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232;", ptx)
     assert len(re.findall(r"bar\.sync\s+%r\d+, 128", ptx)) >= 1     # per-warpgroup barrier
