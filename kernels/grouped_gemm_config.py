@@ -10,7 +10,7 @@ the same arguments and outputs; ``KERNELS`` is their table:
 | ``"wgmma"`` | ``grouped_gemm_sm90_wgmma`` | prefill (and decode on request) | cp.async producer warpgroup, weights dequantised into a shared-memory A tile, WGMMA |
 | ``"wgmma_fp8"`` | ``grouped_gemm_sm90_wgmma_fp8`` | prefill | "wgmma" on FP8 WGMMAs, FP4 scales folded into e4m3 codes |
 | ``"wgmma_coop"`` | ``grouped_gemm_sm90_wgmma_coop`` | prefill | "wgmma" with 128 weight rows per CTA, two math warpgroups converting and multiplying 64 each |
-| ``"wgmma_fp8_coop"`` | ``grouped_gemm_sm90_wgmma_fp8_coop`` | prefill | "wgmma_fp8" with the CTA of "wgmma_coop": the two math warpgroups convert (FP4 fold) and run FP8 WGMMAs |
+| ``"wgmma_fp8_coop"`` | ``grouped_gemm_sm90_wgmma_fp8_coop`` | prefill | "wgmma_fp8" with the CTA of "wgmma_coop": the two math warpgroups convert (FP4 fold; FP8 weights are copied into the A tiles as they are) and run FP8 WGMMAs |
 | ``"mma_sync"`` | ``grouped_gemm_sm90_mma_sync`` | decode (8 rows) | every warp streams 16 weight rows, converts them in registers, warp-level bf16 MMAs |
 | ``"mma_fp8"`` | ``grouped_gemm_sm90_mma_fp8`` | decode (8 rows) | "mma_sync" on FP8 tensor cores (``mma.sync`` e4m3) |
 | ``"wgmma_rs"`` | ``grouped_gemm_sm90_wgmma_rs`` | decode (8 rows) | "mma_fp8" on warpgroup FP8 MMAs (weights as register A operands, tokens by descriptor) |
