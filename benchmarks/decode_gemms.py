@@ -110,8 +110,9 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
-    kernel's, or those named that it has; the K split's only where it splits). On prefill
-    tiles the sweep is kernel x ``block_ns`` x stages: the model's kernel and
+    kernel's, or those named that it has; the K split's only where it splits; "no_dequant"
+    only where weights are converted: FP4, or FP8 into bf16 MMAs). On prefill tiles the sweep is kernel x ``block_ns`` x
+    stages: the model's kernel and
     ``prefill_algorithms``, tiles of ``block_ns`` token rows (default: the model's), the
     ``stages`` that fit shared memory for this launch."""
     # The routed experts' launches resolve as the MoE op resolves them: with the features of
@@ -141,8 +142,7 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
         if sweep:
             out += prefill_sweep(shape, model, stages, block_ns or (model.block_n,),
                                  (model.algorithm,) + prefill_algorithms, out)
-        return out
-    if sweep:
+    elif sweep:
         most = (shape.k // BLOCK_K) // warp_scale_group(shape.fmt, shape.k // BLOCK_K)
         for stage_count in stages:
             for split in splits:
@@ -162,7 +162,8 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
         chosen = KERNELS[model.algorithm].ablations if ablations is True else ablations
         out += [(a, dataclasses.replace(model, ablation=a)) for a in chosen
                 if a in KERNELS[model.algorithm].ablations
-                and (a != "no_dequant" or shape.fmt == "fp4")
+                and (a != "no_dequant" or shape.fmt == "fp4"
+                     or not model.spec.fp8_activations)      # bf16 MMAs convert FP8 too
                 and (a not in ("no_reduce", "no_cluster") or model.split_k > 1)]
     return out
 

@@ -88,3 +88,23 @@ def test_prefill_sweep_tries_each_kernel_tile_and_stage_count_that_fits():
     assert len({c for _, c in out}) == len(out)
     assert decode_gemms.flops(wo_a, 4096) == 2 * 4096 * 8 * 1024 * 4096
     assert decode_gemms.flops(shapes["routed_w13"], 1) == 2 * 6 * 2 * 2048 * 4096
+
+
+def test_ablations_apply_on_prefill_tiles_where_the_kernel_has_them():
+    """``--ablations`` on prefill tiles: the model's config with each of its kernel's
+    ablations; "no_dequant" only where weights are converted (FP4 weights; FP8 weights into
+    bf16 WGMMAs), not for FP8 weights on FP8 WGMMAs, which the producer copies as they
+    are."""
+    shapes = decode_gemms.gemm_shapes(Config.flash(quantized=True))
+
+    def ablations(name):
+        shape = shapes[name]
+        out = decode_gemms.variants(shape, 4096 * shape.rows_per_token, sweep=False,
+                                    ablations=True)
+        assert out[0][0] == "model" and out[0][1].spec.tiles == "any", out[0]
+        return out[0][1].algorithm, {c.ablation for _, c in out[1:]}
+
+    assert ablations("routed_w13") == ("wgmma_fp8_coop", {"no_dequant", "no_mma"})
+    assert ablations("wo_b") == ("wgmma_fp8_coop", {"no_mma"})
+    algorithm, got = ablations("wo_a")
+    assert algorithm == "wgmma_coop" and got == set(support.KERNELS["wgmma_coop"].ablations)
