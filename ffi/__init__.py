@@ -6,6 +6,7 @@ Importing this package registers every op (``registry.op_names()``); ``KernelPol
 from .ffn_sum import FfnSum
 from .grouped_gemm import (grouped_gemm, grouped_gemm_pair, grouped_gemm_pair_reference,
                            grouped_gemm_reference)
+from .hc_mixes import hc_stream_mixes, hc_stream_mixes_reference
 from .hc_pre import hc_pre, hc_pre_reference
 from .hc_sinkhorn import hc_split_sinkhorn, hc_split_sinkhorn_reference
 from .indexer import index_topk, index_topk_reference
@@ -17,7 +18,8 @@ from .router import moe_router, moe_router_reference
 from .sparse_attention import sparse_attention, sparse_attention_reference
 
 __all__ = ["FfnSum", "grouped_gemm", "grouped_gemm_reference", "grouped_gemm_pair",
-           "grouped_gemm_pair_reference", "hc_pre", "hc_pre_reference",
+           "grouped_gemm_pair_reference", "hc_pre", "hc_pre_reference", "hc_stream_mixes",
+           "hc_stream_mixes_reference",
            "hc_split_sinkhorn",
            "hc_split_sinkhorn_reference", "index_topk", "index_topk_reference",
            "moe_expert_rows", "moe_expert_rows_reference", "moe_experts", "moe_experts_reference",

@@ -59,7 +59,8 @@ def test_unsupported_shapes_fall_back_to_the_reference_for_cuda():
 
 
 def test_every_op_is_registered_under_its_public_name():
-    assert op_names() == ("grouped_gemm", "hc_pre", "hc_split_sinkhorn", "index_topk",
+    assert op_names() == ("grouped_gemm", "hc_pre", "hc_split_sinkhorn", "hc_stream_mixes",
+                          "index_topk",
                           "moe_expert_rows", "moe_experts", "moe_router", "sparse_attention")
     for name in op_names():
         spec = op_spec(name)
