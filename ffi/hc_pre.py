@@ -4,7 +4,7 @@ the collapse of the streams into the sub-block input and its RMSNorm, in one op.
 Contract::
 
     hc_pre(x, fn, scale, base, weight, *, n, iters, hc_eps, norm_eps, implementation=None,
-           split_implementation=None, pending=None)
+           split_implementation=None, mixes_implementation=None, pending=None)
         -> (out [..., d], post [..., n], comb [..., n, n])      (pending: and x_new [..., n, d])
 
     x: [..., n, d] floating (the residual streams)   fn: [(2 + n) n, n d] f32
@@ -29,13 +29,15 @@ The reference (``ffi/hc_pre_reference.py``) is that chain in XLA; the Hopper ker
 step) the split's Sinkhorn chain is a second launch on the mixes it stores
 (``HcPreSm90Config.split_apart``): only the next sub-block's mHC pre reads post and comb, so
 the split is off the step's critical path.
-Where the kernel does not run, the chain runs with the split as its own op
-(``split_implementation``: its kernel on Hopper).
+Where the kernel does not run (a prefill's rows), the chain runs with the stream mixes and
+the split as ops of their own (``mixes_implementation``, ``split_implementation``: their
+kernels on Hopper).
 """
 from __future__ import annotations
 
 from . import hc_pre_sm90
 from .dispatch import dispatch
+from .hc_mixes import hc_stream_mixes
 from .hc_pre_reference import check_hc_pre_args, check_pending, hc_pre_reference
 from .hc_sinkhorn import hc_split_sinkhorn
 from .registry import OpSpec, register
@@ -50,11 +52,12 @@ def _support(x, fn=None, scale=None, base=None, weight=None, pending_out=None, *
 
 def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, norm_eps: float,
            implementation: str | None = None, split_implementation: str | None = None,
-           pending=None):
+           mixes_implementation: str | None = None, pending=None):
     """The mHC pre; see the module docstring. ``implementation``: ``"cute"`` (the Hopper
     kernel; raises when it cannot run), ``"xla"`` (the XLA chain) or None (the kernel when
     lowering for a Hopper GPU and it supports the arguments, else the chain).
-    ``split_implementation``: the split op's, in the chain or after the kernel.
+    ``split_implementation``: the split op's, in the chain or after the kernel;
+    ``mixes_implementation``: the stream-mixes op's, in the chain.
     ``pending``: the previous sub-block's ``(out, post, comb)`` (``out`` an array or an
     ``FfnSum``), applied to x first (x_new returned fourth)."""
     check_hc_pre_args(x, fn, scale, base, weight, n, iters)
@@ -66,9 +69,12 @@ def hc_pre(x, fn, scale, base, weight, *, n: int, iters: int, hc_eps: float, nor
         return hc_split_sinkhorn(mixes, s, b, n=n, iters=iters, eps=eps,
                                  implementation=split_implementation)
 
+    def mixes(xs, f, eps):
+        return hc_stream_mixes(xs, f, norm_eps=eps, implementation=mixes_implementation)
+
     return dispatch("hc_pre", implementation,
                     lambda: _support(x, fn, scale, base, weight, *(pending or ()), n=n),
-                    lambda *a: hc_pre_reference(*a, **static, split=split),
+                    lambda *a: hc_pre_reference(*a, **static, split=split, mixes=mixes),
                     lambda *a: hc_pre_sm90.hc_pre_cute(*a, **static, split=split),
                     x, fn, scale, base, weight, *(pending or ()))
 

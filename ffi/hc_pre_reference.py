@@ -130,16 +130,16 @@ def check_hc_pre_args(x, fn, scale, base, weight, n: int, iters: int) -> None:
 
 def hc_pre_reference(x, fn, scale, base, weight, pending_out=None, pending_post=None,
                      pending_comb=None, *, n: int, iters: int, hc_eps: float, norm_eps: float,
-                     split=hc_split_sinkhorn_reference):
+                     split=hc_split_sinkhorn_reference, mixes=stream_mixes):
     """Pure-JAX definition of ``hc_pre`` (runs anywhere). ``split``: the mHC split to use
-    (its reference by default; the op's XLA path passes the ``hc_split_sinkhorn`` op).
-    With the ``pending_*`` arrays, ``x`` is first updated by ``hc_post`` and also
-    returned."""
+    (its reference by default; the op's XLA path passes the ``hc_split_sinkhorn`` op);
+    ``mixes(x, fn, norm_eps)``: the stream mixes (``stream_mixes``; the op's XLA path
+    passes the ``hc_stream_mixes`` op). With the ``pending_*`` arrays, ``x`` is first
+    updated by ``hc_post`` and also returned."""
     check_hc_pre_args(x, fn, scale, base, weight, n, iters)
     if pending_out is not None:
         check_pending(x, (pending_out, pending_post, pending_comb), n)
         x = hc_post(pending_total(pending_out), x, pending_post, pending_comb)
-    pre, post, comb = split(stream_mixes(x, fn, norm_eps), scale, base, n=n, iters=iters,
-                            eps=hc_eps)
+    pre, post, comb = split(mixes(x, fn, norm_eps), scale, base, n=n, iters=iters, eps=hc_eps)
     out = rms_norm(collapse(x, pre), weight, norm_eps)
     return (out, post, comb) if pending_out is None else (out, post, comb, x)

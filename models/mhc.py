@@ -33,7 +33,7 @@ def split_sinkhorn(mixes: jax.Array, scale: jax.Array, base: jax.Array, n: int,
 def mhc_pre(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
             weight: jax.Array, n: int, iters: int, hc_eps: float, norm_eps: float, *,
             implementation: str | None = None, split_implementation: str | None = None,
-            mesh=None, pending=None):
+            mixes_implementation: str | None = None, mesh=None, pending=None):
     """The sub-block's input and gates: ``(rms_norm(collapse(X, pre)), post, comb)`` (the
     op ``ffi.hc_pre``; with a ``mesh``, each device its own rows). ``pending``: the
     previous sub-block's ``(out, post, comb)``, whose ``hc_post`` on ``x`` the op applies
@@ -42,7 +42,7 @@ def mhc_pre(x: jax.Array, fn: jax.Array, scale: jax.Array, base: jax.Array,
         *p, f, s, b, w = rest
         return hc_pre(xs, f, s, b, w, n=n, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
                       implementation=implementation, split_implementation=split_implementation,
-                      pending=tuple(p) or None)
+                      mixes_implementation=mixes_implementation, pending=tuple(p) or None)
     rows = (x, *(pending or ()))
     if mesh is None:
         return run(*rows, fn, scale, base, weight)

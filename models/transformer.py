@@ -84,6 +84,7 @@ class Block(nn.Module):
                        cfg.hc_eps, cfg.norm_eps,
                        implementation=self.policy.implementation_for("hc_pre"),
                        split_implementation=self.policy.implementation_for("hc_split_sinkhorn"),
+                       mixes_implementation=self.policy.implementation_for("hc_stream_mixes"),
                        mesh=self.mesh, pending=pending)
 
     def block(self, x, token_ids, lcache: LayerCache, lengths, num_new, incoming=None):

@@ -81,7 +81,7 @@ def test_fp8_linears_lower_to_the_grouped_gemm_kernels(tokens):
     """Decode (the warp kernels' 8-row tiles) and prefill (WGMMA tiles): the dense linears'
     launches are there, and gone when the grouped GEMM runs its reference."""
     others = {"moe_experts": "xla", "sparse_attention": "xla", "hc_pre": "xla",
-              "hc_split_sinkhorn": "xla", "moe_router": "xla"}
+              "hc_split_sinkhorn": "xla", "hc_stream_mixes": "xla", "moe_router": "xla"}
     text = _lower(KernelPolicy(ops=others), tokens)
     assert kernel_launches(text) >= CFG.n_layers * 6     # wq_a wq_b wkv wo_a wo_b shared
     assert CUSTOM_CALL not in _lower(KernelPolicy(ops=others | {"grouped_gemm": "xla"}), tokens)
@@ -96,7 +96,7 @@ def test_every_mhc_pre_is_a_kernel_launch_and_one_clusters_split_another(tokens)
     With the mHC pre on its XLA chain, the split kernel is inside the chain; no launch with
     both on their references."""
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
-              "moe_router": "xla"}
+              "moe_router": "xla", "hc_stream_mixes": "xla"}
     text = _lower(KernelPolicy(ops=others), tokens)
     apart = BATCH * tokens <= 2
     assert kernel_launches(text) == (4 if apart else 2) * CFG.n_layers
@@ -109,6 +109,19 @@ def test_every_mhc_pre_is_a_kernel_launch_and_one_clusters_split_another(tokens)
     assert "HcSinkhornSm90" in text and "HcPreSm90" not in text
     assert CUSTOM_CALL not in _lower(
         KernelPolicy(ops=others | {"hc_pre": "xla", "hc_split_sinkhorn": "xla"}), tokens)
+
+
+def test_a_prefill_chunks_mhc_pre_runs_the_stream_mixes_kernel():
+    """Past the mHC pre kernel's rows (a prefill chunk of 2 x 128 tokens) each sub-block's
+    chain runs the stream-mixes kernel and the split kernel; on their references, neither."""
+    others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
+              "moe_router": "xla"}
+    text = _lower(KernelPolicy(ops=others), 128)
+    assert "HcPreSm90" not in text
+    assert kernel_launches(text) == 4 * CFG.n_layers
+    assert "HcMixesSm90" in text and "HcSinkhornSm90" in text
+    assert CUSTOM_CALL not in _lower(
+        KernelPolicy(ops=others | {"hc_stream_mixes": "xla", "hc_split_sinkhorn": "xla"}), 128)
 
 
 def test_ffn_sum_in_hc_pre_hands_the_moe_parts_to_the_next_mhc_pre():
@@ -131,7 +144,7 @@ def test_every_router_is_one_kernel_launch_at_decode():
     the hash layers as in the others; none with it on its reference, nor for a prefill chunk
     (past the kernel's token limit XLA's dot and sort run)."""
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
-              "hc_pre": "xla", "hc_split_sinkhorn": "xla"}
+              "hc_pre": "xla", "hc_split_sinkhorn": "xla", "hc_stream_mixes": "xla"}
     text = _lower(KernelPolicy(ops=others))
     assert 0 < CFG.n_hash_layers < CFG.n_layers
     assert kernel_launches(text) == CFG.n_layers and "RouterSm90" in text
@@ -167,7 +180,8 @@ def test_the_attention_kernel_takes_the_queries_as_wq_b_writes_them():
     table = f"tensor<{BATCH}x{cfg.rope_head_dim // 2}xf32>"
     tables = f"{table}, {table}) -> "          # the last operands
     others = {"moe_experts": "xla", "grouped_gemm": "xla", "hc_pre": "xla",
-              "hc_split_sinkhorn": "xla", "moe_router": "xla", "index_topk": "xla"}
+              "hc_split_sinkhorn": "xla", "hc_stream_mixes": "xla", "moe_router": "xla",
+              "index_topk": "xla"}
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, BATCH, 256))
     for ops, on, launches in ((others, True, True), (others, False, False),
                               (others | {"sparse_attention": "xla"}, True, False)):

@@ -1,6 +1,7 @@
 """The stream-mixes op (``dsv4_jax.ffi.hc_stream_mixes``): bad input, the kernel's support
 rules and launch choice, the exact three-part split of fn (a numpy replay), its sm_90a compile
-on CPU; on the GPU the kernel against float64, repeatable."""
+and the op's lowering (the prefill's mHC chain carries the kernel) on CPU; on the GPU the
+kernel against float64, repeatable, and hc_pre's chain with it against the chain without."""
 import re
 
 import numpy as np
@@ -9,12 +10,14 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from dsv4_jax.ffi import hc_stream_mixes
+from dsv4_jax.ffi import hc_pre, hc_stream_mixes
+from dsv4_jax.ffi.dispatch import cuda_target
 from dsv4_jax.ffi.hc_pre_reference import stream_mixes
 from dsv4_jax.kernels.hc_mixes_config import (CHUNK, RESIDENT_CTAS, HcMixesSm90Config,
                                               choose_config)
 
 N, NORM_EPS = 4, 1e-6
+STATIC = dict(n=N, iters=20, hc_eps=1e-6, norm_eps=NORM_EPS)
 
 
 def _inputs(rows, dim, seed=0, n=N, dtype=jnp.bfloat16):
@@ -123,7 +126,7 @@ def test_fn_splits_into_three_exact_bf16_parts():
     np.testing.assert_array_equal(total, v.astype(np.float64))
 
 
-# ------------------------------------------------------------------ sm_90a compile
+# ------------------------------------------------------------------ sm_90a compile and lowering
 def test_kernel_compiles_for_sm90a(tmp_path):
     """Flash dims: per chunk and lane 2 x 2 tiles 16-byte row loads (not kept in L1) and 3 x 4
     fn loads (kept in L1), 4 steps x 2 tiles x (3 x 3 mixes + 2 squares) MMAs, no local
@@ -157,6 +160,23 @@ def test_kernel_compiles_for_sm90a(tmp_path):
     assert registers * 128 * 2 <= 65536, log
 
 
+def _lowered(f, *args) -> str:
+    with cuda_target():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_prefill_chain_lowers_the_kernel():
+    """hc_pre past its own kernel's rows (a prefill chunk) runs the mixes kernel; the op
+    alone with implementation="xla" does not."""
+    pytest.importorskip("cutlass")
+    x, fn = _inputs(300, 256)
+    args = (x, fn, jnp.ones(3), jnp.zeros(24), jnp.ones(256, jnp.bfloat16))
+    text = _lowered(lambda *a: hc_pre(*a, **STATIC), *args)
+    assert "HcMixesSm90" in text
+    text = _lowered(lambda *a: hc_pre(*a, **STATIC, mixes_implementation="xla"), *args)
+    assert "HcMixesSm90" not in text
+
+
 # ------------------------------------------------------------------ GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, dim", [(1, 4096), (8, 4096), (129, 4096), (1000, 4096),
@@ -170,3 +190,19 @@ def test_cute_matches_the_float64_formula(rows, dim):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(again))
     want, bound = _float64(x, fn)
     assert np.max(np.abs(np.asarray(got, np.float64) - want) / bound) < 2 ** -20
+
+
+@pytest.mark.gpu
+def test_hc_pre_chain_with_the_kernel_matches_it_without():
+    """A 4096-token prefill sub-block's mHC pre: the gates and the normalised input with the
+    mixes kernel against the chain on XLA's dot (the same mixes up to summation order)."""
+    x, fn = _inputs(4096, 4096, seed=5)
+    rng = np.random.default_rng(5)
+    args = (x, fn, jnp.asarray(rng.random(3) + 0.5, jnp.float32),
+            jnp.asarray(rng.standard_normal(24) * 0.5, jnp.float32),
+            jnp.asarray(1 + 0.1 * rng.standard_normal(4096), jnp.bfloat16))
+    got = jax.jit(lambda *a: hc_pre(*a, **STATIC, mixes_implementation="cute"))(*args)
+    want = jax.jit(lambda *a: hc_pre(*a, **STATIC, mixes_implementation="xla"))(*args)
+    for name, g, w, tol in zip(("out", "post", "comb"), got, want, (1e-2, 1e-5, 1e-5)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=tol, atol=tol, err_msg=name)

@@ -216,8 +216,8 @@ def _lower_model(index_impl, max_len=256):
     (the decode step of a batch of 2 over a ``max_len``-token cache)."""
     cfg = dj.Config.tiny(quantized=True, index_n_heads=H, index_head_dim=D)
     others = {"moe_experts": "xla", "sparse_attention": "xla", "grouped_gemm": "xla",
-              "hc_pre": "xla", "hc_split_sinkhorn": "xla", "moe_router": "xla",
-              "index_topk": index_impl}
+              "hc_pre": "xla", "hc_split_sinkhorn": "xla", "hc_stream_mixes": "xla",
+              "moe_router": "xla", "index_topk": index_impl}
     model = dj.DSV4(cfg, implementation=KernelPolicy(ops=others), runtime_checks=False)
     params = abstract_params(cfg)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, 2, max_len))

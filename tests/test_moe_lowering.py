@@ -23,7 +23,7 @@ MOE_KERNEL = {"wgmma": "GroupedGemmWgmmaSm90", "mma_sync": "GroupedGemmMmaSyncSm
               "wgmma_rs": "GroupedGemmWgmmaRsSm90"}
 BATCH = 2
 OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
-                           "hc_pre": "xla", "hc_split_sinkhorn": "xla",
+                           "hc_pre": "xla", "hc_split_sinkhorn": "xla", "hc_stream_mixes": "xla",
                            "moe_router": "xla"}
 # A prefill step whose MoE takes WGMMA tiles: more than 128 rows per expert (8 experts, k = 2,
 # 2 rows of tokens), past the few-CTA rule that gives small launches warp tiles.
