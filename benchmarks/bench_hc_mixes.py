@@ -14,9 +14,6 @@ and their count (the kernel's launch and the fusion that adds its slices); wall:
 """
 from __future__ import annotations
 
-import datetime
-import sys
-
 import jax
 import jax.numpy as jnp
 
@@ -56,11 +53,7 @@ def op_fn(impl, eps):
 def main(argv=None):
     args = op_columns.parser(__doc__, "512,4096,16384").parse_args(argv)
     impls = op_columns.columns(args)
-    lines = [f"bench_hc_mixes {datetime.date.today()} {jax.devices()[0].device_kind}: "
-             f"{' '.join(sys.argv[1:])}", "",
-             "| dims | tokens | " + " | ".join(
-                 f"{i}: wall / device us (launches)" for i in impls) + " | byte floor (us) |",
-             "|---|---|" + "---|" * (len(impls) + 1)]
+    lines = op_columns.table_head("bench_hc_mixes", ["dims", "tokens"], impls)
     for name in args.dims.split(","):
         cfg = Config.tiny() if args.tiny else DIMS[name]()
         for tokens in (int(t) for t in args.tokens.split(",")):

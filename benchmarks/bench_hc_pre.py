@@ -19,9 +19,6 @@ Floor: the bytes read once (x, the f32 mixing weights, the norm weight) and writ
 """
 from __future__ import annotations
 
-import datetime
-import sys
-
 import jax
 import jax.numpy as jnp
 
@@ -88,11 +85,8 @@ def main(argv=None):
                    "(default: the config's)")
     args = p.parse_args(argv)
     impls = op_columns.columns(args)
-    lines = [f"bench_hc_pre {datetime.date.today()} {jax.devices()[0].device_kind}: "
-             f"{' '.join(sys.argv[1:])}", "",
-             "| dims | tokens | pending | iters | " + " | ".join(
-                 f"{i}: wall / device us (launches)" for i in impls) + " | byte floor (us) |",
-             "|---|---|---|---|" + "---|" * (len(impls) + 1)]
+    lines = op_columns.table_head("bench_hc_pre", ["dims", "tokens", "pending", "iters"],
+                                  impls)
     for name in args.dims.split(","):
         cfg = Config.tiny() if args.tiny else DIMS[name]()
         for tokens in (int(t) for t in args.tokens.split(",")):

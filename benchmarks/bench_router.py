@@ -14,9 +14,6 @@ Floor: the bytes read once (x, the bf16 gate weight, the bias) and written, at `
 """
 from __future__ import annotations
 
-import datetime
-import sys
-
 import jax
 import jax.numpy as jnp
 
@@ -68,12 +65,7 @@ def main(argv=None):
     p.add_argument("--routing", default="bias,hash")
     args = p.parse_args(argv)
     impls = op_columns.columns(args)
-    lines = [f"bench_router {datetime.date.today()} {jax.devices()[0].device_kind}: "
-             f"{' '.join(sys.argv[1:])}", "",
-             "| dims | routing | tokens | " + " | ".join(f"{i}: wall / device us (launches)"
-                                                         for i in impls)
-             + " | byte floor (us) |",
-             "|---|---|---|" + "---|" * (len(impls) + 1)]
+    lines = op_columns.table_head("bench_router", ["dims", "routing", "tokens"], impls)
     for name in args.dims.split(","):
         cfg = Config.tiny() if args.tiny else DIMS[name]()
         for routing in args.routing.split(","):

@@ -1,8 +1,11 @@
 """What the one-op benchmarks with kernel-config columns share (``bench_hc_pre.py``,
-``bench_router.py``): their common flags, the columns they time, and one cell's figures."""
+``bench_router.py``, ``bench_hc_mixes.py``): their common flags, the columns they time, the
+report's head, and one cell's figures."""
 from __future__ import annotations
 
 import argparse
+import datetime
+import sys
 
 import jax
 
@@ -22,6 +25,18 @@ def parser(doc: str, tokens: str) -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--markdown")
     return p
+
+
+def table_head(script: str, leading: list[str], impls: list[str]) -> list[str]:
+    """The report's first lines: ``script``, the date, the device and the command's flags,
+    then the table header -- the ``leading`` columns, a "wall / device us (launches)" column
+    per timed implementation, the byte floor."""
+    return [f"{script} {datetime.date.today()} {jax.devices()[0].device_kind}: "
+            f"{' '.join(sys.argv[1:])}", "",
+            "| " + " | ".join(leading) + " | "
+            + " | ".join(f"{i}: wall / device us (launches)" for i in impls)
+            + " | byte floor (us) |",
+            "|" + "---|" * (len(leading) + len(impls) + 1)]
 
 
 def columns(args) -> list[str]:

@@ -46,41 +46,14 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .grouped_gemm_sm90_convert import load_global_words, mma_m16n8k16_bf16
 from .hc_mixes_config import CHUNK, MAX_MIXES, WARPS, HcMixesSm90Config
+from .sm90_primitives import split_bf16x3
 
 STEPS = CHUNK // 16             # MMA steps per chunk
 X_WORDS = 8                     # 16 bf16 per row and lane per chunk
 FN_WORDS = 16                   # 16 f32 per fn row and lane per chunk
-
-
-@dsl_user_op
-def split_bf16x3(v0: Int32, v1: Int32, *, loc=None, ip=None):
-    """Two f32 (as bits) -> three bf16x2 words (hi, mid, lo; v0 in the low halves) with
-    ``v = hi + mid + lo`` exactly: hi = v truncated to bf16, mid = the remainder truncated,
-    lo = what is left (at most 8 significant bits: a bf16 exactly). 11 instructions."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 3),
-        [Int32(v).ir_value(loc=loc, ip=ip) for v in (v0, v1)],
-        "{\n.reg .b32 h0, h1, r0, r1, m0, m1, l0, l1;\n"
-        "and.b32 h0, $3, 0xffff0000;\n"
-        "and.b32 h1, $4, 0xffff0000;\n"
-        "sub.f32 r0, $3, h0;\n"
-        "sub.f32 r1, $4, h1;\n"
-        "and.b32 m0, r0, 0xffff0000;\n"
-        "and.b32 m1, r1, 0xffff0000;\n"
-        "sub.f32 l0, r0, m0;\n"
-        "sub.f32 l1, r1, m1;\n"
-        "prmt.b32 $0, h0, h1, 0x7632;\n"
-        "prmt.b32 $1, m0, m1, 0x7632;\n"
-        "prmt.b32 $2, l0, l1, 0x7632;\n}",
-        "=r,=r,=r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT)
-    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
-                 for i in range(3))
 
 
 class HcMixesSm90:

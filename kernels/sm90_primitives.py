@@ -217,3 +217,24 @@ def store_global_bf16x4(addr: Int64, values, *, loc=None, ip=None) -> None:
         "st.global.v2.b32 [$0], {lo, hi};\n}",
         "l,f,f,f,f,~{memory}", has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def split_bf16x3(v0: Int32, v1: Int32, *, loc=None, ip=None):
+    """Two f32 (as bits) -> three bf16x2 words (hi, mid, lo; v0 in the low halves) with
+    ``v = hi + mid + lo`` exactly: hi = v truncated to bf16, mid = the remainder truncated,
+    lo = what is left (at most 8 significant bits: a bf16 exactly). 11 instructions."""
+    return _results(Int32, 3, [Int32(v0), Int32(v1)],
+                    "{\n.reg .b32 h0, h1, r0, r1, m0, m1, l0, l1;\n"
+                    "and.b32 h0, $3, 0xffff0000;\n"
+                    "and.b32 h1, $4, 0xffff0000;\n"
+                    "sub.f32 r0, $3, h0;\n"
+                    "sub.f32 r1, $4, h1;\n"
+                    "and.b32 m0, r0, 0xffff0000;\n"
+                    "and.b32 m1, r1, 0xffff0000;\n"
+                    "sub.f32 l0, r0, m0;\n"
+                    "sub.f32 l1, r1, m1;\n"
+                    "prmt.b32 $0, h0, h1, 0x7632;\n"
+                    "prmt.b32 $1, m0, m1, 0x7632;\n"
+                    "prmt.b32 $2, l0, l1, 0x7632;\n}",
+                    "=r,=r,=r,r,r", False, loc, ip)
