@@ -8,7 +8,8 @@ Contract::
     x: [..., n, d] floating (the residual streams)      fn: [M, n d] f32 (M = (2 + n) n)
     mixes = (flatten(x) @ fn.T) * rsqrt(mean(flatten(x)^2) + norm_eps)      in f32
 
-The reference is ``hc_pre_reference.stream_mixes`` (XLA's dot). The Hopper kernel
+The reference (``ffi/hc_mixes_reference.py``) is ``hc_pre_reference.stream_mixes`` (XLA's
+dot), the chain's own definition. The Hopper kernel
 (``ffi/hc_mixes_sm90.py``) runs the product on bf16 tensor cores with fn split exactly into
 three bf16 parts, K sliced over the grid, for bf16 streams; the slices are added in order in
 one XLA fusion, so its mixes are the f32 product's up to the summation order. ``hc_pre``'s
@@ -16,35 +17,13 @@ chain (the rows above its own kernel's, i.e. prefill) calls this op.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from . import hc_mixes_sm90
 from .dispatch import dispatch
-from .hc_pre_reference import stream_mixes
+from .hc_mixes_reference import (check_hc_stream_mixes_args, hc_stream_mixes_reference,
+                                 stream_mixes)
 from .registry import OpSpec, register
 
 __all__ = ["hc_stream_mixes", "hc_stream_mixes_reference", "check_hc_stream_mixes_args"]
-
-
-def check_hc_stream_mixes_args(x, fn) -> None:
-    """``TypeError``/``ValueError`` naming the argument and its shape, in one line."""
-    op = "hc_stream_mixes"
-    if x.ndim < 2:
-        raise ValueError(f"{op}: x must be [..., n, d]; x has shape {tuple(x.shape)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{op}: x must be floating; x has dtype {x.dtype}")
-    k = x.shape[-2] * x.shape[-1]
-    if fn.ndim != 2 or fn.shape[1] != k:
-        raise ValueError(f"{op}: fn must be [M, n d = {k}] for x of shape {tuple(x.shape)}; "
-                         f"fn has shape {tuple(fn.shape)}")
-    if not jnp.issubdtype(fn.dtype, jnp.floating):
-        raise TypeError(f"{op}: fn must be floating; fn has dtype {fn.dtype}")
-
-
-def hc_stream_mixes_reference(x, fn, *, norm_eps: float):
-    """Pure-JAX definition (runs anywhere): ``stream_mixes``."""
-    check_hc_stream_mixes_args(x, fn)
-    return stream_mixes(x, fn, norm_eps)
 
 
 def _support(x, fn, **_):
