@@ -42,6 +42,8 @@ LAZY_BY_DESIGN = {
     ("dsv4_jax.ffi.hc_sinkhorn_sm90", "dsv4_jax.kernels.hc_sinkhorn_sm90"),
     ("dsv4_jax.ffi.hc_pre_sm90", "dsv4_jax.ffi.cute_call"),
     ("dsv4_jax.ffi.hc_pre_sm90", "dsv4_jax.kernels.hc_pre_sm90"),
+    ("dsv4_jax.ffi.hc_mixes_sm90", "dsv4_jax.ffi.cute_call"),
+    ("dsv4_jax.ffi.hc_mixes_sm90", "dsv4_jax.kernels.hc_mixes_sm90"),
     ("dsv4_jax.ffi.router_sm90", "dsv4_jax.ffi.cute_call"),
     ("dsv4_jax.ffi.router_sm90", "dsv4_jax.kernels.router_sm90"),
     ("dsv4_jax.ffi.indexer_sm90", "dsv4_jax.ffi.cute_call"),
