@@ -4,9 +4,10 @@ expert) and the dense linears (one group) build on.
 Contract::
 
     grouped_gemm(x, group_ids, w, *, w_up=None, row_weights=None, swiglu_limit=0.0,
-                 simulate=False, implementation=None, policy=None) -> y [M, N] in x's dtype
-    grouped_gemm_pair(x, group_ids, w, w_next, *, simulate=False, implementation=None,
-                      policy=None) -> (y [M, N], y_next [M, N_next])
+                 simulate=False, row_norm=None, implementation=None, policy=None)
+        -> y [M, N] in x's dtype
+    grouped_gemm_pair(x, group_ids, w, w_next, *, simulate=False, row_norm=None,
+                      implementation=None, policy=None) -> (y [M, N], y_next [M, N_next])
 
     x:           [M, K] bf16 or f32 rows
     group_ids:   [M] int32, the group of each row (any order), or None: the rows in G equal
@@ -14,6 +15,9 @@ Contract::
     w, w_up:     (weight, scale or None) of logical shape [G, N, K] in one
                  ``quant.WeightFormat`` (FP4 + E8M0 1x32, FP8 + E8M0 128x128, or plain)
     row_weights: [M] floating, gated form only (None: 1)
+    row_norm:    None, or (weight [K], eps): the rows are ``rms_norm(x, weight, eps)``'s
+                 output first (a linear after an RMSNorm: at decode the kernels that quantise
+                 their tokens normalise them too, so the norm takes no launch of its own)
 
     plain:  y[m] = x'[m] . W[g_m]^T
     gated:  y[m] = rw[m] * swiglu(round(x'[m] . W[g_m]^T), round(x'[m] . W_up[g_m]^T))
@@ -40,8 +44,8 @@ import jax.numpy as jnp
 from . import grouped_gemm_sm90
 from .dispatch import dispatch
 from .grouped_gemm_reference import (check_grouped_gemm_args, check_ids_in_range,
-                                     check_pair_args, grouped_gemm_pair_reference,
-                                     grouped_gemm_reference)
+                                     check_pair_args, check_row_norm,
+                                     grouped_gemm_pair_reference, grouped_gemm_reference)
 from .policy import GroupedGemmPolicy
 from .registry import OpSpec, register
 
@@ -57,7 +61,7 @@ def _support(x, group_ids, w, w_up=None, row_weights=None, *, simulate=False, po
 
 
 def grouped_gemm(x, group_ids, w, *, w_up=None, row_weights=None, swiglu_limit: float = 0.0,
-                 simulate: bool = False, implementation: str | None = None,
+                 simulate: bool = False, row_norm=None, implementation: str | None = None,
                  policy: GroupedGemmPolicy | None = None):
     """Rows times their group's weights; see the module docstring for the contract.
 
@@ -68,46 +72,57 @@ def grouped_gemm(x, group_ids, w, *, w_up=None, row_weights=None, swiglu_limit: 
     """
     check_grouped_gemm_args(x, group_ids, w, w_up, row_weights)
     check_ids_in_range(group_ids, w[0].shape[0], "grouped_gemm", "group")
+    check_row_norm("grouped_gemm", row_norm, x)
     policy = policy or GroupedGemmPolicy()
     static = dict(swiglu_limit=float(swiglu_limit), simulate=bool(simulate))
     w_up = (None, None) if w_up is None else w_up
+    norm_weight, eps = (None, None) if row_norm is None else (row_norm[0], float(row_norm[1]))
 
-    def reference(x, group_ids, weight, scale, up, up_scale, row_weights):
+    def norm(weight):
+        return None if weight is None else (weight, eps)
+
+    def reference(x, group_ids, weight, scale, up, up_scale, row_weights, norm_weight):
         return grouped_gemm_reference(
             x, group_ids, (weight, scale), w_up=None if up is None else (up, up_scale),
-            row_weights=row_weights, **static)
+            row_weights=row_weights, row_norm=norm(norm_weight), **static)
 
-    def kernel(x, group_ids, weight, scale, up, up_scale, row_weights):
+    def kernel(x, group_ids, weight, scale, up, up_scale, row_weights, norm_weight):
         return grouped_gemm_sm90.grouped_gemm_cute(
             x, group_ids, (weight, scale), w_up=None if up is None else (up, up_scale),
-            row_weights=row_weights, policy=policy, **static)
+            row_weights=row_weights, row_norm=norm(norm_weight), policy=policy, **static)
 
     gated = w_up[0] is not None
     return dispatch("grouped_gemm", implementation,
                     lambda: _support(x, group_ids, w, w_up if gated else None, row_weights,
                                      simulate=simulate, policy=policy),
-                    reference, kernel, x, group_ids, *w, *w_up, row_weights)
+                    reference, kernel, x, group_ids, *w, *w_up, row_weights, norm_weight)
 
 
-def grouped_gemm_pair(x, group_ids, w, w_next, *, simulate: bool = False,
+def grouped_gemm_pair(x, group_ids, w, w_next, *, simulate: bool = False, row_norm=None,
                       implementation: str | None = None,
                       policy: GroupedGemmPolicy | None = None):
     """``(grouped_gemm(x, group_ids, w), grouped_gemm(x, group_ids, w_next))`` in one kernel
-    launch where the kernel takes the pair (see the module docstring); ``implementation``
-    and ``policy`` are the grouped GEMM's."""
+    launch where the kernel takes the pair (see the module docstring); ``row_norm``,
+    ``implementation`` and ``policy`` are the grouped GEMM's."""
     check_pair_args(x, group_ids, w, w_next)
     check_ids_in_range(group_ids, w[0].shape[0], "grouped_gemm_pair", "group")
+    check_row_norm("grouped_gemm_pair", row_norm, x)
     policy = policy or GroupedGemmPolicy()
     simulate = bool(simulate)
+    norm_weight, eps = (None, None) if row_norm is None else (row_norm[0], float(row_norm[1]))
 
-    def reference(x, group_ids, weight, scale, weight_next, scale_next):
+    def norm(weight):
+        return None if weight is None else (weight, eps)
+
+    def reference(x, group_ids, weight, scale, weight_next, scale_next, norm_weight):
         return grouped_gemm_pair_reference(x, group_ids, (weight, scale),
-                                           (weight_next, scale_next), simulate=simulate)
+                                           (weight_next, scale_next), simulate=simulate,
+                                           row_norm=norm(norm_weight))
 
-    def kernel(x, group_ids, weight, scale, weight_next, scale_next):
+    def kernel(x, group_ids, weight, scale, weight_next, scale_next, norm_weight):
         return grouped_gemm_sm90.grouped_gemm_pair_cute(
             x, group_ids, (weight, scale), (weight_next, scale_next), simulate=simulate,
-            policy=policy)
+            row_norm=norm(norm_weight), policy=policy)
 
     def supported():
         return grouped_gemm_sm90.pair_support(
@@ -115,7 +130,7 @@ def grouped_gemm_pair(x, group_ids, w, w_next, *, simulate: bool = False,
             ragged=group_ids is not None, simulate=simulate, policy=policy)
 
     return dispatch("grouped_gemm", implementation, supported, reference, kernel, x,
-                    group_ids, *w, *w_next)
+                    group_ids, *w, *w_next, norm_weight)
 
 
 register(OpSpec("grouped_gemm", grouped_gemm_reference, _support))

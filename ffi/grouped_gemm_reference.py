@@ -11,9 +11,10 @@ import jax.numpy as jnp
 
 from dsv4_jax import quant
 from dsv4_jax.quant import WeightFormat
+from .norm import rms_norm
 
 __all__ = ["grouped_gemm_reference", "check_grouped_gemm_args", "check_weight",
-           "grouped_gemm_pair_reference", "check_pair_args",
+           "grouped_gemm_pair_reference", "check_pair_args", "check_row_norm", "normed_rows",
            "check_ids_in_range", "grouped_products", "swiglu", "describe"]
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -103,6 +104,30 @@ def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> Wei
     return fmt
 
 
+def check_row_norm(op: str, row_norm, x) -> None:
+    """``row_norm``: None or ``(weight [K], eps)`` -- a floating norm weight of x's features
+    and a non-negative Python float; else ``TypeError``/``ValueError`` naming it."""
+    if row_norm is None:
+        return
+    if not isinstance(row_norm, (tuple, list)) or len(row_norm) != 2:
+        raise TypeError(f"{op}: row_norm must be None or a (weight [K], eps) pair, got "
+                        f"{type(row_norm).__name__}")
+    weight, eps = row_norm
+    if (getattr(weight, "ndim", None) != 1 or weight.shape[0] != x.shape[1]
+            or not jnp.issubdtype(weight.dtype, jnp.floating)):
+        raise ValueError(f"{op}: row_norm weight must be floating [K={x.shape[1]}]; "
+                         + (describe("row_norm weight", weight) if hasattr(weight, "shape")
+                            else f"got {type(weight).__name__}") + f", {describe('x', x)}")
+    if not isinstance(eps, (float, int)) or isinstance(eps, bool) or not eps >= 0:
+        raise TypeError(f"{op}: row_norm eps must be a Python float >= 0 (static), got "
+                        f"{eps!r} of type {type(eps).__name__}")
+
+
+def normed_rows(x, row_norm):
+    """``rms_norm(x, weight, eps)`` for ``row_norm = (weight, eps)``; ``x`` when None."""
+    return x if row_norm is None else rms_norm(x, row_norm[0], float(row_norm[1]))
+
+
 def check_pair_args(x, group_ids, w, w_next) -> None:
     """``grouped_gemm_pair``'s arguments: ``check_grouped_gemm_args`` for ``w``, and
     ``w_next`` a (weight, scale) pair of the same groups and input features."""
@@ -180,9 +205,11 @@ def grouped_products(x, group_ids, mats, simulate):
 
 
 def grouped_gemm_reference(x, group_ids, w, *, w_up=None, row_weights=None,
-                           swiglu_limit: float = 0.0, simulate: bool = False):
+                           swiglu_limit: float = 0.0, simulate: bool = False, row_norm=None):
     """Pure-JAX definition of ``grouped_gemm`` (runs anywhere); see the module docstring."""
     check_grouped_gemm_args(x, group_ids, w, w_up, row_weights)
+    check_row_norm("grouped_gemm", row_norm, x)
+    x = normed_rows(x, row_norm)
     groups = w[0].shape[0]
     ids, valid = group_ids, None
     if group_ids is not None:
@@ -200,8 +227,12 @@ def grouped_gemm_reference(x, group_ids, w, *, w_up=None, row_weights=None,
     return y if valid is None else jnp.where(valid[:, None], y, jnp.zeros((), y.dtype))
 
 
-def grouped_gemm_pair_reference(x, group_ids, w, w_next, *, simulate: bool = False):
-    """Pure-JAX definition of ``grouped_gemm_pair``: the two plain grouped GEMMs."""
+def grouped_gemm_pair_reference(x, group_ids, w, w_next, *, simulate: bool = False,
+                                row_norm=None):
+    """Pure-JAX definition of ``grouped_gemm_pair``: the two plain grouped GEMMs (of the
+    normed rows with ``row_norm``)."""
     check_pair_args(x, group_ids, w, w_next)
+    check_row_norm("grouped_gemm_pair", row_norm, x)
+    x = normed_rows(x, row_norm)
     return tuple(grouped_gemm_reference(x, group_ids, m, simulate=simulate)
                  for m in (w, w_next))

@@ -18,6 +18,10 @@ One call of ``grouped_gemm_cute``:
 share their input) in one launch of a warp kernel, whose output blocks past the first
 weight's read the second weight (``paired``); prefill tiles run a launch per weight.
 
+``row_norm`` (both): the rows are an RMSNorm's inputs. A launch of a kernel that quantises
+its tokens normalises them itself (``with_row_norm``: the norm weight takes the token
+scales' place); else XLA's ``rms_norm`` runs before the launch.
+
 ``resolve_config`` turns a ``GroupedGemmPolicy`` into the ``GroupedGemmSm90Config`` of a
 launch, which its support check shares.
 """
@@ -34,11 +38,13 @@ from dsv4_jax.kernels.grouped_gemm_config import (FP8_CODE_ALGORITHMS, WEIGHT_FO
                                                   GroupedGemmSm90Config, choose_config,
                                                   num_tile_slots)
 from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, warp_scale_group
+from .grouped_gemm_reference import normed_rows
 from .policy import GroupedGemmPolicy
 
 __all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
            "row_schedule", "use_row_tiles", "block_schedule", "launch", "grouped_gemm_cute",
-           "pair_config", "pair_support", "grouped_gemm_pair_cute", "with_constant_tiles"]
+           "pair_config", "pair_support", "grouped_gemm_pair_cute", "with_constant_tiles",
+           "with_row_norm"]
 
 _KERNEL_SCALE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(quant.E8M0_DTYPE))
 
@@ -176,8 +182,9 @@ def _as_bytes(weight, scale):
 
 
 def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=None,
-           swiglu_limit: float = 0.0, x_scale=None, config: GroupedGemmSm90Config,
-           paired: bool = False, token_stride: int = 1) -> jax.Array:
+           swiglu_limit: float = 0.0, x_scale=None, norm_weight=None,
+           config: GroupedGemmSm90Config, paired: bool = False,
+           token_stride: int = 1) -> jax.Array:
     """One launch: sorted rows ``xs`` [M, K] bf16 times their groups' ``weight`` [G, N, .]
     -> [M, N] bf16 (gated: with ``weight_b`` and the SwiGLU x ``route_w`` epilogue;
     ``paired``: ``weight_b`` [G, N_b, .] is a second, ungated weight of the same format
@@ -186,7 +193,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
     ``tiles``: ``(tile_group, tile_row0, tile_rows)``; rows outside every tile are left
     unwritten. Algorithms that take codes (``takes_fp8_codes``): ``xs`` are e4m3 codes and
     ``x_scale`` [M, K / 128] f32 their scales (``quant.act_quant``); "mma_fp8" takes the bf16
-    rows and quantises them itself. A K split (``config.split_k`` > 1) is added up inside
+    rows and quantises them itself; with ``config.row_norm_eps`` it normalises them first
+    by ``norm_weight`` [K] (bf16). A K split (``config.split_k`` > 1) is added up inside
     the launch (a cluster per tile)."""
     # Imported when a kernel is emitted, so that the reference path never loads cutlass;
     # cute_call first: it pins CUTE_DSL_ARCH before cutlass is imported.
@@ -205,9 +213,16 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                          f"{config.token_codes}) with xs {xs.dtype} and x_scale "
                          f"{None if x_scale is None else x_scale.shape} (e4m3 codes + scales "
                          f"for {FP8_CODE_ALGORITHMS} and token_codes only)")
+    normed = config.row_norm_eps is not None
+    if normed != (norm_weight is not None):
+        raise ValueError(f"grouped_gemm launch: row_norm_eps {config.row_norm_eps} with "
+                         f"norm_weight {None if norm_weight is None else norm_weight.shape} "
+                         f"(both or neither)")
     if fp8_x:
         xs = jax.lax.bitcast_convert_type(xs, jnp.uint8)
         x_scale = x_scale.astype(jnp.float32)
+    elif normed:
+        x_scale = norm_weight.astype(jnp.bfloat16)
     else:
         x_scale = jnp.zeros((1,), jnp.float32)
     n_out = weight.shape[1] + (weight_b.shape[1] if paired else 0)
@@ -221,7 +236,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      scale_group=warp_scale_group(fmt, xs.shape[1] // BLOCK_K),
                      token_stages=config.token_stages, paired=paired,
                      token_stride=token_stride, **({"pdl": config.pdl} if config.pdl else {}),
-                     **({"token_codes": True} if config.token_codes else {}))
+                     **({"token_codes": True} if config.token_codes else {}),
+                     **({"row_norm_eps": config.row_norm_eps} if normed else {}))
     return y
 
 
@@ -261,6 +277,18 @@ def with_constant_tiles(config: GroupedGemmSm90Config) -> GroupedGemmSm90Config:
     return config
 
 
+def with_row_norm(config: GroupedGemmSm90Config, x, row_norm):
+    """``(config, x, norm_weight)`` of a launch whose rows are ``row_norm``'s inputs (None: as
+    they come): a bf16 launch of a kernel that quantises its tokens takes the norm
+    (``row_norm_eps``, ``norm_weight``); otherwise XLA normalises ``x`` here."""
+    if row_norm is None:
+        return config, x, None
+    weight, eps = row_norm
+    if config.spec.quantizes_tokens and not config.token_codes and x.dtype == jnp.bfloat16:
+        return dataclasses.replace(config, row_norm_eps=float(eps)), x, weight
+    return config, normed_rows(x, row_norm), None
+
+
 def _in_row_order(ys, order, valid_sorted, dtype):
     """Sorted rows' outputs back in row order, dropped rows 0, in ``dtype``."""
     if order is None:
@@ -270,7 +298,7 @@ def _in_row_order(ys, order, valid_sorted, dtype):
 
 
 def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
-                      swiglu_limit: float = 0.0, simulate: bool = False,
+                      swiglu_limit: float = 0.0, simulate: bool = False, row_norm=None,
                       policy: GroupedGemmPolicy | None = None,
                       config: GroupedGemmSm90Config | None = None):
     """``grouped_gemm`` on the Hopper kernel (see the module docstring). ``config``: a kernel
@@ -281,6 +309,7 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     gated = w_up is not None
     config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,),
                                       gated=gated)
+    config, x, norm_weight = with_row_norm(config, x, row_norm)
     order, valid_sorted, tiles = _tiles(rows, group_ids, groups, config)
     rw = None
     if gated:
@@ -292,7 +321,8 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
         config = with_constant_tiles(config)
     ys = launch(xs, tiles, *w, weight_b=None if not gated else w_up[0],
                 scale_b=None if not gated else w_up[1], route_w=rw,
-                swiglu_limit=swiglu_limit, x_scale=x_scale, config=config)
+                swiglu_limit=swiglu_limit, x_scale=x_scale, norm_weight=norm_weight,
+                config=config)
     return _in_row_order(ys, order, valid_sorted, x.dtype)
 
 
@@ -328,21 +358,23 @@ def pair_support(rows: int, k: int, x_dtype: str, w, w_next, *, ragged: bool,
 
 
 def grouped_gemm_pair_cute(x, group_ids, w, w_next, *, simulate: bool = False,
-                           policy: GroupedGemmPolicy | None = None):
+                           row_norm=None, policy: GroupedGemmPolicy | None = None):
     """``grouped_gemm_pair`` on the Hopper kernels: one paired launch where ``pair_config``
     gives one (the outputs of ``w`` then ``w_next`` in one [M, N + N_next] buffer, split
-    here), else a ``grouped_gemm_cute`` per weight."""
+    here), else a ``grouped_gemm_cute`` per weight (of rows normed once)."""
     rows, k = x.shape
     config = pair_config(policy, rows, k, w, w_next, simulate)
     if config is None:
+        x = normed_rows(x, row_norm)
         return tuple(grouped_gemm_cute(x, group_ids, m, simulate=simulate, policy=policy)
                      for m in (w, w_next))
+    config, x, norm_weight = with_row_norm(config, x, row_norm)
     order, valid_sorted, tiles = _tiles(rows, group_ids, w[0].shape[0], config)
     xs, x_scale = quantized_rows(x, order, config, simulate)
     if order is None:
         config = with_constant_tiles(config)
     ys = launch(xs, tiles, *w, weight_b=w_next[0], scale_b=w_next[1], x_scale=x_scale,
-                config=config, paired=True)
+                norm_weight=norm_weight, config=config, paired=True)
     ys = _in_row_order(ys, order, valid_sorted, x.dtype)
     n = w[0].shape[1]
     return ys[:, :n], ys[:, n:]

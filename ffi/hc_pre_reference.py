@@ -1,7 +1,7 @@
 """The mHC pre's pure-JAX reference, its parts and argument checks (contract: ``ffi/hc_pre.py``).
 
-The parts (``stream_mixes``, ``collapse``, ``rms_norm``, ``hc_post``) are the model's own
-definitions:
+The parts (``stream_mixes``, ``collapse``, ``rms_norm`` (``ffi/norm.py``), ``hc_post``) are
+the model's own definitions:
 ``models/mhc.py`` and ``models/layers.py`` import them from here, so the op and the model
 cannot drift apart.
 """
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from .ffn_sum import FfnSum, check_ffn_sum
 from .hc_sinkhorn_reference import hc_split_sinkhorn_reference
+from .norm import rms_norm
 
 __all__ = ["hc_pre_reference", "check_hc_pre_args", "stream_mixes", "collapse", "rms_norm",
            "hc_post", "pending_total"]
@@ -58,15 +59,6 @@ def stream_mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
 def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
     """``sum_j pre[j] X[j]`` in f32, cast to X's dtype: the sub-block input ``[..., d]``."""
     return jnp.sum(pre[..., None] * x.astype(jnp.float32), axis=-2).astype(x.dtype)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
-    """``w * x / sqrt(mean(x^2) + eps)`` in f32, cast back to x's dtype."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if weight is not None:
-        y = weight.astype(jnp.float32) * y
-    return y.astype(x.dtype)
 
 
 def hc_post(out: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:

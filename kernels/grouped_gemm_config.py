@@ -158,6 +158,10 @@ class GroupedGemmSm90Config:
       it would make) -- and only copies them into its stages: for rows that XLA gathers
       before the launch anyway, where the quantisation joins the gather, while every CTA of
       the launch would quantise the same rows again (``GroupedGemmPolicy.token_codes``).
+    row_norm_eps: a kernel that quantises its tokens first normalises each bf16 row --
+      ``rms_norm(x, w, eps)``'s output, ``w`` the norm weight the launch takes in the token
+      scales' place -- so that a linear after an RMSNorm needs no launch for the norm
+      (``grouped_gemm(row_norm=)``); None: the rows as they come.
     """
     block_n: int = 8
     num_stages: int = 8
@@ -167,6 +171,7 @@ class GroupedGemmSm90Config:
     token_stages: int = FP8_TOKEN_BUFFERS
     pdl: str = ""
     token_codes: bool = False
+    row_norm_eps: float | None = None
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -205,6 +210,13 @@ class GroupedGemmSm90Config:
             raise ValueError(f"GroupedGemmSm90Config: token_codes must be a bool, and False "
                              f"unless the algorithm quantises its tokens; got "
                              f"{self.token_codes!r} with {self.algorithm!r}")
+        if self.row_norm_eps is not None and (
+                not isinstance(self.row_norm_eps, float) or not self.row_norm_eps >= 0.0
+                or not spec.quantizes_tokens or self.token_codes):
+            raise ValueError(f"GroupedGemmSm90Config: row_norm_eps must be None or a float "
+                             f">= 0 with an algorithm that quantises its tokens (not "
+                             f"token_codes); got {self.row_norm_eps!r} with "
+                             f"{self.algorithm!r}, token_codes {self.token_codes}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -231,7 +243,8 @@ class GroupedGemmSm90Config:
             return warp_smem_bytes(weight_format, gated, self.num_stages)
         if self.spec.quantizes_tokens:          # "mma_fp8", "wgmma_rs"
             return fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
-                                       self.token_stages)
+                                       self.token_stages) + (
+                WARP_TOKENS * 4 if self.row_norm_eps is not None else 0)
         if self.algorithm == "mma_fp8_stream":
             return STREAM_CHUNK_BLOCKS * STREAM_KBLOCK_BYTES
         if self.algorithm == "wgmma_fp8":        # per stage, bytes (grouped_gemm_sm90_wgmma_fp8)

@@ -6,7 +6,8 @@ integer instructions (``tests/test_kernels_grouped_gemm_sm90.py`` replays both o
 with ``e4m3_fold_table``: with a power-of-two factor folded in); ``mma_m16n8k16_bf16`` and
 ``mma_m16n8k32_e4m3`` are the warp-level tensor-core MMAs with their PTX fragment layouts;
 ``copy_bytes`` is one cp.async of raw bytes, ``load_global_words`` one read-only load
-into registers; ``gated_output`` is the SwiGLU epilogue.
+into registers; ``gated_output`` is the SwiGLU epilogue; ``bf16x8_sum_squares`` and
+``bf16x8_rms_normed`` are a row's RMSNorm in the kernels that quantise their tokens.
 """
 from __future__ import annotations
 
@@ -352,6 +353,46 @@ def act_scale_bits(amax_bits: Int32, *, loc=None, ip=None):
     res = _asm(2, [amax_bits], text, "=r,=r,r", loc, ip)
     return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
                  for i in range(2))
+
+
+@dsl_user_op
+def bf16x8_sum_squares(words, total: Float32, *, loc=None, ip=None) -> Float32:
+    """``total`` plus the squares of four bf16x2 words' 8 values (f32 FMAs, lowest first)."""
+    text = ("{\n.reg .f32 v;\nmov.b32 $0, $1;\n"
+            + "".join(f"shl.b32 v, ${2 + i}, 16;\n"
+                      "fma.rn.f32 $0, v, v, $0;\n"
+                      f"and.b32 v, ${2 + i}, 0xFFFF0000;\n"
+                      "fma.rn.f32 $0, v, v, $0;\n" for i in range(4))
+            + "}")
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(total).ir_value(loc=loc, ip=ip)]
+        + [Int32(w).ir_value(loc=loc, ip=ip) for w in words], text, "=f,f,r,r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def bf16x8_rms_normed(words, weight_words, inv_rms: Float32, *, loc=None, ip=None):
+    """RMSNorm's output of four bf16x2 words of a row: ``bf16(w * (x * inv_rms))`` per value,
+    both products rounded in f32 as ``rms_norm`` does (no FMA), ``weight_words`` the norm
+    weight's bf16 of the same columns; four bf16x2 words in the same order."""
+    text = ("{\n.reg .b32 t;\n.reg .f32 r, x0, x1, w0, w1;\nmov.b32 r, $8;\n"
+            + "".join(f"shl.b32 t, ${4 + i}, 16;\nmov.b32 x0, t;\n"
+                      f"and.b32 t, ${4 + i}, 0xFFFF0000;\nmov.b32 x1, t;\n"
+                      f"shl.b32 t, ${9 + i}, 16;\nmov.b32 w0, t;\n"
+                      f"and.b32 t, ${9 + i}, 0xFFFF0000;\nmov.b32 w1, t;\n"
+                      "mul.rn.f32 x0, x0, r;\nmul.rn.f32 x1, x1, r;\n"
+                      "mul.rn.f32 x0, w0, x0;\nmul.rn.f32 x1, w1, x1;\n"
+                      f"cvt.rn.bf16x2.f32 ${i}, x1, x0;\n" for i in range(4))
+            + "}")
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(w).ir_value(loc=loc, ip=ip) for w in words]
+        + [Float32(inv_rms).ir_value(loc=loc, ip=ip)]
+        + [Int32(w).ir_value(loc=loc, ip=ip) for w in weight_words],
+        text, "=r,=r,=r,=r,r,r,r,r,f,r,r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip))
+                 for i in range(4))
 
 
 @dsl_user_op

@@ -32,7 +32,12 @@ kb + S - 1 from registers loaded a block earlier and loads block kb + S's
 [rows, K] and f32 scales [rows, K / 128], ``quant.act_quant``'s): the same threads load a
 block's 8 codes and its scale and store them where they would have stored their own.
 Warps without a tile row (warp w holds rows 2w, 2w + 1) skip the loop's share: their
-stage rows feed only output columns that are never written.
+stage rows feed only output columns that are never written. With ``config.row_norm_eps``
+the rows are an RMSNorm's inputs (``mXs``: the norm weight, bf16 [K]): before the first
+quantisation half warp h sums the squares of tile row h (past the count: the first row)
+over all of K -- every CTA of a K split reads the whole row -- and leaves its inverse RMS
+in shared memory (one CTA barrier); every block is then ``bf16(w * (x * inv_rms))`` before
+it is quantised, as ``rms_norm`` rounds it (``bf16x8_rms_normed``).
 Step i, lane 4g + t multiplies columns 32i + 8t .. 32i + 8t + 7: FP4 codes 0, 2, 4, 6 of
 that word are MMA columns 4t .. 4t + 3 and codes 1, 3, 5, 7 columns 4t + 16 .. 4t + 19,
 so the lane's 8 token bytes are split the same way (two ``prmt``); FP8 bytes 0-3 and 4-7
@@ -57,12 +62,13 @@ from .grouped_gemm_config import GroupedGemmSm90Config
 from .grouped_gemm_layout import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, WARP_COUNT, WARP_ROWS,
                                   WARP_TOKENS, fp8_warp_smem_bytes, fp8_warp_unit,
                                   warp_copy_unit)
-from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_to_e4m3x8,
-                               byte_perm, e8m0_f32, fp4x8_to_e4m3x8, load_global_words,
-                               mma_m16n8k32_e4m3)
+from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_rms_normed,
+                               bf16x8_sum_squares, bf16x8_to_e4m3x8, byte_perm, e8m0_f32,
+                               fp4x8_to_e4m3x8, load_global_words, mma_m16n8k32_e4m3)
 from .grouped_gemm_sm90_mma_sync import STEPS, GroupedGemmMmaSyncSm90, _load_word
 
 FP4_UNSCALE = 64.0            # fp4x8_to_e4m3x8 gives the codes' values x 2^-6
+NORM_PASS_BLOCKS = 8          # K blocks whose row loads the norm's sum issues at once
 
 
 class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
@@ -85,6 +91,13 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
             self.warp_stage_bytes)
         self.smem_bytes = fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
                                               self.token_stages)
+        # Row norm: the tile rows' inverse RMS (f32 each) after the rest.
+        self.row_norm_eps = config.row_norm_eps
+        self.norm_offset = self.smem_bytes
+        self.token_words = 4
+        if config.row_norm_eps is not None:
+            self.smem_bytes += WARP_TOKENS * 4
+            self.token_words = 8           # a block's 4 words of x, then the weight's 4
 
     def token_stage(self, base, kb):
         """The codes and scales of K block ``kb``: one of ``token_stages`` stages."""
@@ -114,7 +127,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         warp_pair = (tidx // 32) * 2                  # the warp's first half warp
         loaded = []
         for j in cutlass.range_constexpr(ahead):
-            words = (Int32(0),) * 4
+            words = (Int32(0),) * self.token_words
             if 8 * j + warp_pair < pairs:
                 p = 8 * j + half
                 if p >= pairs:
@@ -122,15 +135,63 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                 words = self.load_row_block(mX, mXs, row0 + p % rows, kb0 + p // rows,
                                             unit)
             loaded.append(words)
+        if const_expr(self.row_norm_eps is not None):
+            self.store_inverse_rms(mX, row0, rows, base, tidx)
+            cute.arch.barrier()
         for j in cutlass.range_constexpr(ahead):
             if 8 * j + warp_pair < pairs:
                 p = 8 * j + half
-                self.quantize_block(loaded[j], self.token_stage(base, kb0 + p // rows),
-                                    p % rows, unit, p < pairs)
-        x_words = (Int32(0),) * 4
+                if p >= pairs:
+                    p = 8 * j + warp_pair
+                self.quantize_block(self.normed(loaded[j], base, p % rows),
+                                    self.token_stage(base, kb0 + p // rows),
+                                    p % rows, unit, 8 * j + half < pairs)
+        x_words = (Int32(0),) * self.token_words
         if self.quantizing_warp(rows, tidx) and kb0 + ahead < kb1:
             x_words = self.load_tokens(mX, mXs, row0, rows, kb0 + ahead, tidx)
         return x_words
+
+    @cute.jit
+    def store_inverse_rms(self, mX: cute.Tensor, row0: Int32, rows: Int32, base: Int32,
+                          tidx: Int32):
+        """Row norm: half warp h leaves rsqrt(mean(x^2) + eps) of tile row h (past the
+        tile's count: its first row, as ``load_tokens`` reads) at slot h: thread u sums the
+        squares of columns 8u .. 8u + 7 of every K block (``NORM_PASS_BLOCKS`` blocks' loads
+        in flight at once, kept in L1 for the quantisation's loads of the same bytes), the
+        half warp adds its 16 sums by shuffles."""
+        half, unit = tidx // 16, tidx % 16
+        x_row = row0 + half
+        if half >= rows:
+            x_row = row0
+        k_in = mX.shape[1]
+        num_k = k_in // BLOCK_K
+        row_addr = mX.iterator.toint() + (x_row.to(Int64) * k_in + 8 * unit) * 2
+        total = Float32(0.0)
+        for kb_pass in cutlass.range(0, num_k, NORM_PASS_BLOCKS, unroll=1):
+            words = []
+            for j in cutlass.range_constexpr(NORM_PASS_BLOCKS):
+                block = (Int32(0),) * 4
+                if kb_pass + j < num_k:
+                    block = load_global_words(row_addr + (kb_pass + j) * BLOCK_K * 2, 4,
+                                              keep_in_l1=True)
+                words.append(block)
+            for j in cutlass.range_constexpr(NORM_PASS_BLOCKS):
+                total = bf16x8_sum_squares(words[j], total)
+        for offset in (8, 4, 2, 1):
+            total = total + cute.arch.shuffle_sync_bfly(total, offset=offset)
+        inverse = cute.math.rsqrt(total / Float32(k_in) + Float32(self.row_norm_eps))
+        if unit == 0:
+            _store_f32(base + self.norm_offset + half * 4, inverse)
+
+    @cute.jit
+    def normed(self, words, base: Int32, r: Int32):
+        """A block's 4 bf16x2 words of tile row ``r`` as the kernel quantises them: with the
+        row norm, ``bf16(w * (x * inv_rms))`` from the 8 words ``load_row_block`` gives
+        (x, then the weight's) and the row's inverse RMS (``store_inverse_rms``)."""
+        if const_expr(self.row_norm_eps is None):
+            return words
+        inverse = _load_f32(base + self.norm_offset + r * 4)
+        return bf16x8_rms_normed(words[:4], words[4:], inverse)
 
     def quantizing_warp(self, rows: Int32, tidx: Int32):
         """Whether thread tidx's warp holds a tile row (warp w quantises rows 2w, 2w + 1):
@@ -153,11 +214,21 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         # hold stale codes).
         if const_expr(not self.leaves_out("no_quant")):
             if kb + ahead < kb1 and self.quantizing_warp(rows, tidx):
-                self.quantize_block(x_words, self.token_stage(base, kb + ahead), tidx // 16,
+                self.quantize_block(self.normed(x_words, base, self.tile_row(rows, tidx)),
+                                    self.token_stage(base, kb + ahead), tidx // 16,
                                     tidx % 16, True)
                 if kb + ahead + 1 < kb1:
                     x_words = self.load_tokens(mX, mXs, row0, rows, kb + ahead + 1, tidx)
         return x_words
+
+    @cute.jit
+    def tile_row(self, rows: Int32, tidx: Int32):
+        """The tile row thread tidx's loop loads (``load_tokens``): tidx / 16, or 0 past the
+        tile's count."""
+        r = tidx // 16
+        if r >= rows:
+            r = Int32(0)
+        return r
 
     @cute.jit
     def load_tokens(self, mX: cute.Tensor, mXs: cute.Tensor, row0: Int32, rows: Int32,
@@ -165,11 +236,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         """Thread tidx's 8 bf16 of K block ``kb`` of tile row r = tidx / 16 (rows past the
         tile's count in a quantising warp read its first row, whose outputs are never
         written)."""
-        r = tidx // 16
-        x_row = row0 + r
-        if r >= rows:
-            x_row = row0
-        return self.load_row_block(mX, mXs, x_row, kb, tidx % 16)
+        return self.load_row_block(mX, mXs, row0 + self.tile_row(rows, tidx), kb, tidx % 16)
 
     @cute.jit
     def load_row_block(self, mX: cute.Tensor, mXs: cute.Tensor, x_row: Int32, kb: Int32,
@@ -177,7 +244,8 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         """Columns 8 unit .. 8 unit + 7 of K block ``kb`` of tile row ``x_row`` -- token row
         ``x_row / token_stride`` of ``mX`` (the routed experts' assignment rows read their
         token, no gather before the launch) -- as four bf16x2 words; ``token_codes``: their
-        two words of e4m3 codes and the block's f32 scale bits (twice)."""
+        two words of e4m3 codes and the block's f32 scale bits (twice); row norm: then the
+        norm weight's 4 words of the same columns (``mXs``, bf16 [K])."""
         k_in = mX.shape[1]
         if const_expr(self.token_stride != 1):
             x_row = x_row // self.token_stride
@@ -188,6 +256,10 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
                 mXs.iterator.toint() + (x_row.to(Int64) * (k_in // BLOCK_K) + kb) * 4, 1)
             return (codes[0], codes[1], scale[0], scale[0])
         src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
+        if const_expr(self.row_norm_eps is not None):
+            weight = load_global_words(mXs.iterator.toint() + (kb * BLOCK_K + 8 * unit) * 2, 4,
+                                       keep_in_l1=True)
+            return (*load_global_words(src, 4), *weight)
         return load_global_words(src, 4)
 
     @cute.jit
@@ -375,6 +447,17 @@ def _load_words2(addr):
 def _load_f32x2(addr):
     return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem,
                                           assumed_align=8), cute.make_layout((2,))).load()
+
+
+def _store_f32(addr, value):
+    dst = cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem,
+                                         assumed_align=4), cute.make_layout((1,)))
+    dst[0] = value
+
+
+def _load_f32(addr):
+    return cute.make_tensor(cute.make_ptr(Float32, addr, cute.AddressSpace.smem,
+                                          assumed_align=4), cute.make_layout((1,)))[0]
 
 
 def _store_words2(addr, words):

@@ -47,6 +47,8 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
     fp8_x = config.takes_codes                     # e4m3 codes + f32 scales
     x = fake(u8, (a_, k_)) if fp8_x else fake(bf16, (a_, k_))
     x_scale = fake(cutlass.Float32, (a_, dyn(k // 128)) if fp8_x else (1,))
+    if config.row_norm_eps is not None:            # the norm weight, bf16 [K]
+        x_scale = fake(bf16, (k_,))
     out = fake(bf16, (a_, n_))
     return cute.compile(kernel.grouped_gemm_launcher, make_fake_stream(), x, x_scale,
                         fake(i32, (slots,)), fake(i32, (slots,)), fake(i32, (slots,)),
@@ -57,7 +59,9 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         scale_group=layout.warp_scale_group(fmt, k // support.BLOCK_K),
                         split_k=config.split_k, token_stages=config.token_stages,
                         **({"pdl": config.pdl} if config.pdl else {}),
-                        **({"token_codes": True} if config.token_codes else {}))
+                        **({"token_codes": True} if config.token_codes else {}),
+                        **({"row_norm_eps": config.row_norm_eps}
+                           if config.row_norm_eps is not None else {}))
 
 
 def ptxas_log(tmp_path, compiled) -> str:
