@@ -189,13 +189,20 @@ class Attention(nn.Module):
         else:
             q_lat = linear(cfg.dim, cfg.q_lora_rank, name="wq_a")(x)
             kv = linear(cfg.dim, c, name="wkv")(x)
-        qr = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, name="q_norm")(q_lat)
+        q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, name="q_norm")
+        qr = q_norm(q_lat)
+        # Quantised, wq_b's op takes q_lat and the norm: its decode kernels normalise the rows
+        # as they quantise them, and the norm takes no launch of its own (qr then unused).
+        row_norm = (q_norm.weight, cfg.norm_eps)
         indexer = Indexer(cfg, self.policy, self.mesh, name="indexer") if kind == "csa" else None
         index_q = None
         if indexer is not None and cfg.quantized:     # both query projections read qr
             q, index_q = fp8_linear_pair(
-                qr, FP8Weight(cfg.q_lora_rank, h * c, name="wq_b")(), indexer.query_weight(),
-                cfg.quant_simulation, policy=self.policy, mesh=self.mesh)
+                q_lat, FP8Weight(cfg.q_lora_rank, h * c, name="wq_b")(),
+                indexer.query_weight(), cfg.quant_simulation, policy=self.policy,
+                mesh=self.mesh, row_norm=row_norm)
+        elif cfg.quantized:
+            q = linear(cfg.q_lora_rank, h * c, name="wq_b")(q_lat, row_norm=row_norm)
         else:
             q = linear(cfg.q_lora_rank, h * c, name="wq_b")(qr)
         q = q.reshape(b, s, h, c)

@@ -25,7 +25,7 @@ import flax.linen as nn
 from dsv4_jax.config import Config
 from dsv4_jax import quant
 from dsv4_jax.ffi.grouped_gemm import grouped_gemm, grouped_gemm_pair
-from dsv4_jax.ffi.hc_pre_reference import rms_norm
+from dsv4_jax.ffi.norm import rms_norm
 from dsv4_jax.ffi.router_reference import matmul_f32
 from dsv4_jax.ffi.policy import DEFAULT_POLICY, KernelPolicy
 from dsv4_jax.ffi.rope import rope_table, rotate_tail
@@ -106,7 +106,9 @@ class Linear(nn.Module):
     mesh: object = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, row_norm=None) -> jax.Array:
+        """``row_norm``: None, or ``(weight, eps)`` of an RMSNorm that ``x`` goes through first
+        (the FP8 family's op takes it: ``fp8_linear``)."""
         cfg = self.cfg
         std = self.in_features ** -0.5
         shape = (self.out_features, self.in_features)
@@ -115,7 +117,9 @@ class Linear(nn.Module):
             s = self.param("scale", pow2_scale_init(std, FP8_CODE_STD),
                            (-(-self.out_features // 128), -(-self.in_features // 128)))
             return fp8_linear(x, w, s, cfg.quant_simulation, policy=self.policy,
-                              mesh=self.mesh)
+                              mesh=self.mesh, row_norm=row_norm)
+        if row_norm is not None:
+            x = rms_norm(x, *row_norm)
         if self.family == "f32":
             w = self.param("weight", normal_init(std), shape, jnp.bfloat16
                            if cfg.dtype == "bfloat16" else jnp.float32)
@@ -126,15 +130,17 @@ class Linear(nn.Module):
 
 def grouped_linear(x: jax.Array, w, *, w_up=None, swiglu_limit: float = 0.0,
                    simulate: bool, policy: KernelPolicy = DEFAULT_POLICY, mesh=None,
-                   groups_last: bool = False) -> jax.Array:
+                   groups_last: bool = False, row_norm=None) -> jax.Array:
     """``ffi.grouped_gemm`` on ``x [..., K]`` with rows in equal blocks per group (one group:
     a dense linear) -> ``[..., N]``; with a ``mesh``, each device runs its own rows.
 
     ``w`` (and ``w_up``): ``(weight [G, N, K], scale or None)``. ``groups_last``: ``x`` is
-    ``[..., G, K]`` (group g in the second-to-last dim) and so is the result."""
+    ``[..., G, K]`` (group g in the second-to-last dim) and so is the result. ``row_norm``:
+    ``(weight [K], eps)`` of an RMSNorm the rows go through first (``ffi.grouped_gemm``)."""
     groups = w[0].shape[0]
+    norm_weight, eps = (None, None) if row_norm is None else row_norm
 
-    def run(x, weight, scale, up, up_scale):
+    def run(x, weight, scale, up, up_scale, norm_weight):
         lead = x.shape[:-2] if groups_last else x.shape[:-1]
         if groups_last:                         # rows of group g together, g = 0 .. G-1
             x = jnp.moveaxis(x, -2, 0)
@@ -142,6 +148,7 @@ def grouped_linear(x: jax.Array, w, *, w_up=None, swiglu_limit: float = 0.0,
         y = grouped_gemm(rows, None, (weight, scale),
                          w_up=None if up is None else (up, up_scale),
                          swiglu_limit=swiglu_limit, simulate=simulate,
+                         row_norm=None if norm_weight is None else (norm_weight, eps),
                          implementation=policy.implementation_for("grouped_gemm"),
                          policy=policy.grouped_gemm)
         if groups_last:
@@ -150,34 +157,39 @@ def grouped_linear(x: jax.Array, w, *, w_up=None, swiglu_limit: float = 0.0,
 
     up, up_scale = (None, None) if w_up is None else w_up
     if mesh is None:
-        return run(x, *w, up, up_scale)
-    return batch_parallel(lambda x, *r: (run(x, *r),), mesh, (x,), (*w, up, up_scale), 1)[0]
+        return run(x, *w, up, up_scale, norm_weight)
+    return batch_parallel(lambda x, *r: (run(x, *r),), mesh, (x,),
+                          (*w, up, up_scale, norm_weight), 1)[0]
 
 
 def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, simulate: bool, *,
-               policy: KernelPolicy = DEFAULT_POLICY, mesh=None) -> jax.Array:
+               policy: KernelPolicy = DEFAULT_POLICY, mesh=None, row_norm=None) -> jax.Array:
     """FP8 block-scaled weight GEMM: activations FP8-quantised when ``simulate``; the weight
-    is read in its storage format (``grouped_linear``, one group)."""
+    is read in its storage format (``grouped_linear``, one group); ``row_norm``: an RMSNorm
+    before it (``grouped_linear``)."""
     return grouped_linear(x, (weight[None], scale[None]), simulate=simulate, policy=policy,
-                          mesh=mesh)
+                          mesh=mesh, row_norm=row_norm)
 
 
 def fp8_linear_pair(x: jax.Array, w, w_next, simulate: bool, *,
-                    policy: KernelPolicy = DEFAULT_POLICY, mesh=None):
+                    policy: KernelPolicy = DEFAULT_POLICY, mesh=None, row_norm=None):
     """Two FP8 linears of one input, ``(fp8_linear(x, *w), fp8_linear(x, *w_next))``, as
     one op (``ffi.grouped_gemm_pair``: one kernel launch at decode); ``w``, ``w_next``:
-    ``(weight [N, K], scale)``."""
-    def run(x, weight, scale, weight_next, scale_next):
+    ``(weight [N, K], scale)``; ``row_norm``: an RMSNorm before both (``fp8_linear``)."""
+    norm_weight, eps = (None, None) if row_norm is None else row_norm
+
+    def run(x, weight, scale, weight_next, scale_next, norm_weight):
         rows = x.reshape(-1, x.shape[-1])
         ys = grouped_gemm_pair(rows, None, (weight[None], scale[None]),
                                (weight_next[None], scale_next[None]), simulate=simulate,
+                               row_norm=None if norm_weight is None else (norm_weight, eps),
                                implementation=policy.implementation_for("grouped_gemm"),
                                policy=policy.grouped_gemm)
         return tuple(y.reshape(*x.shape[:-1], -1) for y in ys)
 
     if mesh is None:
-        return run(x, *w, *w_next)
-    return batch_parallel(run, mesh, (x,), (*w, *w_next), 2)
+        return run(x, *w, *w_next, norm_weight)
+    return batch_parallel(run, mesh, (x,), (*w, *w_next, norm_weight), 2)
 
 
 class RMSNorm(nn.Module):
