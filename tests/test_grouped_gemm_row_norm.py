@@ -152,8 +152,9 @@ def _rel_err(got, want):
 # indexer's wq_b (CSA layers), Flash dims; a small K of 3 blocks (a partial norm pass).
 GPU_SHAPES = {"wq_b": (32768, 0, 1024), "wq_b+indexer_wq_b": (32768, 8192, 1024),
               "small": (512, 256, 384)}
-GPU_CASES = [(name, t, alg) for name in GPU_SHAPES for t in (1, 3, 8)
-             for alg in ("auto", "mma_fp8")] + [("wq_b", 16, "auto"), ("small", 64, "auto")]
+GPU_CASES = [(name, t, "auto") for name in ("wq_b", "wq_b+indexer_wq_b") for t in (1, 8)] + [
+    ("wq_b+indexer_wq_b", 3, "mma_fp8"), ("small", 3, "auto"), ("small", 8, "mma_fp8"),
+    ("wq_b", 16, "auto"), ("small", 64, "auto")]
 
 
 @pytest.mark.gpu
