@@ -85,6 +85,7 @@ def sub_stack(params: dict, layers: int) -> dict:
 # --impls variants: the grouped-GEMM policy fields they change.
 VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True},
             "codes": {"token_codes": "gathered"}, "nocodes": {"token_codes": "none"},
+            "rownorm": {"row_norm_in_kernel": True},
             "routedcodes": {"token_codes": "routed"}}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
@@ -98,7 +99,8 @@ def policy_of(value: str) -> KernelPolicy:
     kernel; ``/unpaired``: a launch per linear, ``/pdl``: the decode kernels as programmatic
     dependent launches; ``/codes``, ``/nocodes``, ``/routedcodes``: the routed launches'
     rows quantised by XLA or by the kernels (``GroupedGemmPolicy.token_codes`` "gathered",
-    "none", "routed"); ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
+    "none", "routed"); ``/rownorm``: q_norm inside wq_b's kernel
+    (``GroupedGemmPolicy.row_norm_in_kernel``); ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
     mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
     inside the attention op)."""
     value, _, variant = value.partition("/")

@@ -18,9 +18,10 @@ One call of ``grouped_gemm_cute``:
 share their input) in one launch of a warp kernel, whose output blocks past the first
 weight's read the second weight (``paired``); prefill tiles run a launch per weight.
 
-``row_norm`` (both): the rows are an RMSNorm's inputs. A launch of a kernel that quantises
-its tokens normalises them itself (``with_row_norm``: the norm weight takes the token
-scales' place); else XLA's ``rms_norm`` runs before the launch.
+``row_norm`` (both): the rows are an RMSNorm's inputs. Under
+``GroupedGemmPolicy(row_norm_in_kernel=True)`` a launch of a kernel that quantises its tokens
+normalises them itself (``with_row_norm``: the norm weight takes the token scales' place);
+else XLA's ``rms_norm`` runs before the launch.
 
 ``resolve_config`` turns a ``GroupedGemmPolicy`` into the ``GroupedGemmSm90Config`` of a
 launch, which its support check shares.
@@ -277,14 +278,17 @@ def with_constant_tiles(config: GroupedGemmSm90Config) -> GroupedGemmSm90Config:
     return config
 
 
-def with_row_norm(config: GroupedGemmSm90Config, x, row_norm):
+def with_row_norm(config: GroupedGemmSm90Config, x, row_norm,
+                  policy: GroupedGemmPolicy | None):
     """``(config, x, norm_weight)`` of a launch whose rows are ``row_norm``'s inputs (None: as
-    they come): a bf16 launch of a kernel that quantises its tokens takes the norm
-    (``row_norm_eps``, ``norm_weight``); otherwise XLA normalises ``x`` here."""
+    they come): with ``policy.row_norm_in_kernel``, a bf16 launch of a kernel that quantises
+    its tokens takes the norm (``row_norm_eps``, ``norm_weight``); otherwise XLA normalises
+    ``x`` here."""
     if row_norm is None:
         return config, x, None
     weight, eps = row_norm
-    if config.spec.quantizes_tokens and not config.token_codes and x.dtype == jnp.bfloat16:
+    if ((policy or GroupedGemmPolicy()).row_norm_in_kernel and config.spec.quantizes_tokens
+            and not config.token_codes and x.dtype == jnp.bfloat16):
         return dataclasses.replace(config, row_norm_eps=float(eps)), x, weight
     return config, normed_rows(x, row_norm), None
 
@@ -309,7 +313,7 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     gated = w_up is not None
     config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,),
                                       gated=gated)
-    config, x, norm_weight = with_row_norm(config, x, row_norm)
+    config, x, norm_weight = with_row_norm(config, x, row_norm, policy)
     order, valid_sorted, tiles = _tiles(rows, group_ids, groups, config)
     rw = None
     if gated:
@@ -368,7 +372,7 @@ def grouped_gemm_pair_cute(x, group_ids, w, w_next, *, simulate: bool = False,
         x = normed_rows(x, row_norm)
         return tuple(grouped_gemm_cute(x, group_ids, m, simulate=simulate, policy=policy)
                      for m in (w, w_next))
-    config, x, norm_weight = with_row_norm(config, x, row_norm)
+    config, x, norm_weight = with_row_norm(config, x, row_norm, policy)
     order, valid_sorted, tiles = _tiles(rows, group_ids, w[0].shape[0], config)
     xs, x_scale = quantized_rows(x, order, config, simulate)
     if order is None:

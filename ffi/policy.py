@@ -75,6 +75,11 @@ class GroupedGemmPolicy:
       each), ``"none"`` (each CTA quantises the rows it reads) or ``"routed"`` (both routed
       launches; w2's rows then cost a quantisation launch of their own). Measured in
       docs/performance.md ("token codes for the routed experts").
+    row_norm_in_kernel: the decode kernels that quantise their tokens ("mma_fp8",
+      "wgmma_rs") normalise the rows of an op's ``row_norm`` themselves (``wq_b`` after
+      ``q_norm``: the norm then takes no launch); False (the default), XLA's ``rms_norm``
+      runs before the launch, as for every other kernel. Off while it does not shorten the
+      step (docs/performance.md, "q_norm inside wq_b").
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
@@ -82,6 +87,7 @@ class GroupedGemmPolicy:
     pair_linears: bool = True
     pdl: bool = False
     token_codes: str = "gathered"
+    row_norm_in_kernel: bool = False
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm,
@@ -99,7 +105,7 @@ class GroupedGemmPolicy:
         if self.token_codes not in TOKEN_CODES:
             raise ValueError(f"GroupedGemmPolicy: token_codes must be one of {TOKEN_CODES}, "
                              f"got {self.token_codes!r}")
-        for name in ("pair_linears", "pdl"):
+        for name in ("pair_linears", "pdl", "row_norm_in_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GroupedGemmPolicy: {name} must be a bool, got "
                                 f"{getattr(self, name)!r}")

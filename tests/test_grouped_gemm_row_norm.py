@@ -1,8 +1,9 @@
 """The grouped GEMM's ``row_norm`` (an RMSNorm before the linear, ``wq_b`` after ``q_norm``):
 the reference is the GEMM of ``rms_norm``'s rows bit for bit, bad input names ``row_norm``,
-a decode launch normalises its rows itself (no XLA norm in the lowering; prefill sizes keep
-XLA's), both token-quantising kernels compile with it for sm_90a, and -- on the GPU -- the
-kernel against the reference and against itself on XLA-normed rows at the model's shapes."""
+under ``row_norm_in_kernel`` a decode launch normalises its rows itself (no XLA norm in the
+lowering; prefill sizes and the default policy keep XLA's), both token-quantising kernels
+compile with it for sm_90a, and -- on the GPU -- the kernel against the reference and
+against itself on XLA-normed rows at the model's shapes."""
 import re
 
 import numpy as np
@@ -18,6 +19,7 @@ from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
 
 EPS = 1e-6
+IN_KERNEL = GroupedGemmPolicy(row_norm_in_kernel=True)
 _LAUNCH = re.compile(r"call @call_wrapper(_\d+)?\(")
 
 
@@ -90,15 +92,21 @@ def test_config_takes_the_norm_only_where_the_kernel_quantises():
             support.GroupedGemmSm90Config(**{"row_norm_eps": EPS, **bad})
 
 
-def _lowered(rows, pair):
+def test_row_norm_in_kernel_must_be_a_bool():
+    with pytest.raises(TypeError, match="row_norm_in_kernel must be a bool"):
+        GroupedGemmPolicy(row_norm_in_kernel=1)
+
+
+def _lowered(rows, pair, policy=IN_KERNEL):
     x = jax.ShapeDtypeStruct((rows, 1024), jnp.bfloat16)
     g = jax.ShapeDtypeStruct((1024,), jnp.bfloat16)
     w, w_next = _weight(6, "fp8", 1, 4096, 1024), _weight(7, "fp8", 1, 1024, 1024)
     if pair:
         f = jax.jit(lambda x, g: grouped_gemm_pair(x, None, w, w_next, simulate=True,
-                                                   row_norm=(g, EPS)))
+                                                   row_norm=(g, EPS), policy=policy))
     else:
-        f = jax.jit(lambda x, g: grouped_gemm(x, None, w, simulate=True, row_norm=(g, EPS)))
+        f = jax.jit(lambda x, g: grouped_gemm(x, None, w, simulate=True, row_norm=(g, EPS),
+                                              policy=policy))
     with dispatch.cuda_target():
         return f.trace(x, g).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -112,7 +120,10 @@ def test_decode_launches_normalise_their_rows(rows, pair, in_kernel):
     pytest.importorskip("cutlass")
     text = _lowered(rows, pair)
     assert ("rsqrt" not in text) == in_kernel
-    assert len(_LAUNCH.findall(text)) == (1 if pair and rows < 512 else 2 if pair else 1)
+    launches = 1 if pair and rows < 512 else 2 if pair else 1
+    assert len(_LAUNCH.findall(text)) == launches
+    default = _lowered(rows, pair, GroupedGemmPolicy())        # XLA's norm, same launches
+    assert "rsqrt" in default and len(_LAUNCH.findall(default)) == launches
 
 
 @pytest.mark.parametrize("algorithm, split", [("wgmma_rs", 1), ("mma_fp8", 2)])
@@ -149,9 +160,9 @@ def _rel_err(got, want):
 
 
 # name: (N, N_next or 0, K): wq_b after q_norm, alone (SWA / HCA layers) and with the
-# indexer's wq_b (CSA layers), Flash dims; a small K of 3 blocks (a partial norm pass).
+# indexer's wq_b (CSA layers), Flash dims; a small K of 4 blocks (a partial norm pass).
 GPU_SHAPES = {"wq_b": (32768, 0, 1024), "wq_b+indexer_wq_b": (32768, 8192, 1024),
-              "small": (512, 256, 384)}
+              "small": (512, 256, 512)}
 GPU_CASES = [(name, t, "auto") for name in ("wq_b", "wq_b+indexer_wq_b") for t in (1, 8)] + [
     ("wq_b+indexer_wq_b", 3, "mma_fp8"), ("small", 3, "auto"), ("small", 8, "mma_fp8"),
     ("wq_b", 16, "auto"), ("small", 64, "auto")]
@@ -161,7 +172,7 @@ GPU_CASES = [(name, t, "auto") for name in ("wq_b", "wq_b+indexer_wq_b") for t i
 @pytest.mark.parametrize("name, tokens, algorithm", GPU_CASES)
 def test_cute_norm_matches_the_reference(name, tokens, algorithm):
     n, n_next, k = GPU_SHAPES[name]
-    policy = GroupedGemmPolicy(decode_algorithm=algorithm)
+    policy = GroupedGemmPolicy(decode_algorithm=algorithm, row_norm_in_kernel=True)
     w, w_next = _weight(8, "fp8", 1, n, k), _weight(9, "fp8", 1, max(n_next, 128), k)
     x, g = _rows(tokens, tokens, k, spread=100.0), _norm_weight(tokens + 1, k)
 
