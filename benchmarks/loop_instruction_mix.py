@@ -1,0 +1,93 @@
+"""The instruction mix of a decode GEMM's K loop, on the CPU: the launch the model picks for
+the routed experts at T tokens (balanced routing over 256 experts) is compiled for sm_90a as
+the device compiles it, and the PTX instructions of its K loop's body -- one K block per
+iteration, inside inline assembly too -- are counted by opcode. Per warp and K block,
+against the issue slots a warp has at the HBM rate (4 schedulers per SM, one instruction a
+cycle each, the SM's share of ``timing.PEAK_TBPS`` for the K block's weight bytes): above
+1, the loop cannot keep up with HBM however its latencies overlap (docs/performance.md).
+
+    python3 benchmarks/loop_instruction_mix.py [--tokens 8] [--clock-ghz 1.755]
+
+PTX is not SASS (ptxas fuses and expands some), and the count is static: a branch that
+some warps skip (the token quantisation of warps without a tile row) counts in full. So the
+counts estimate; no GPU needed.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import importlib
+import os
+import re
+import sys
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ.setdefault("CUTE_DSL_KEEP", "ptx")           # the PTX text in the artifacts
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+importlib.import_module("dsv4_jax.ffi.cute_call")     # pins the arch before cutlass loads
+from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config, use_row_tiles  # noqa: E402
+from dsv4_jax.kernels import grouped_gemm_config as support  # noqa: E402
+from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, ROW_BYTES  # noqa: E402
+from grouped_gemm_compile import compile_variant  # noqa: E402
+from timing import PEAK_TBPS  # noqa: E402
+
+EXPERTS, TOP_K, DIM, INTER = 256, 6, 4096, 2048        # Flash's routed experts
+SMS, SCHEDULERS, CTAS_PER_SM = support.NUM_SMS, 4, 2
+
+
+def loop_body(ptx: str) -> list[str]:
+    """The instructions of the longest backward branch's range (the K loop)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, l in enumerate(lines)
+              if (m := re.match(r"^\s*(\$L\w+):", l))}
+    back = [(labels[m.group(1)], i) for i, l in enumerate(lines)
+            if re.search(r"\bbra", l) and (m := re.search(r"(\$L\w+)", l))
+            and m.group(1) in labels and labels[m.group(1)] < i]
+    start, end = max(back, key=lambda span: span[1] - span[0])
+    skip = ("//", "$", "{", "}", ".reg", ".pragma")
+    return [l.strip() for l in lines[start:end + 1] if l.strip() and not l.strip().startswith(skip)]
+
+
+def opcode(line: str) -> str:
+    word = line.split()[1] if line.startswith("@") else line.split()[0]
+    return word.split(".")[0].rstrip(";")
+
+
+# (name, gated, K, N) of the routed experts' two launches. The gated one takes its rows as
+# codes where XLA gathers them (GroupedGemmPolicy.token_codes "gathered"; row tiles read their
+# token and quantise it); w2 quantises its own.
+LAUNCHES = [("w1/w3", True, DIM, INTER), ("w2", False, INTER, DIM)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--clock-ghz", type=float, default=1.755)
+    a = p.parse_args()
+    rows = a.tokens * TOP_K
+    print(f"routed experts, Flash FP4, T = {a.tokens} ({rows} rows over {EXPERTS} experts)")
+    for name, gated, k, n in LAUNCHES:
+        # As the MoE op resolves them (``moe_sm90.moe_configs``): both launches' features.
+        config = resolve_config(None, rows, EXPERTS, "fp4", (DIM, INTER), True, (INTER, DIM),
+                                gated=gated)
+        codes = gated and not use_row_tiles(rows, EXPERTS, config)
+        if config.spec.quantizes_tokens:
+            config = dataclasses.replace(config, token_codes=codes)
+        ptx = compile_variant("fp4", gated, config, a=rows, k=k, n=n, e=EXPERTS).artifacts.PTX
+        body = loop_body(ptx)
+        mix = collections.Counter(opcode(l) for l in body)
+        # One K block of a CTA: 64 weight rows per matrix (plus a 4-byte scale word each).
+        block_bytes = (2 if gated else 1) * 64 * (ROW_BYTES["fp4"] + 4)
+        ns = CTAS_PER_SM * block_bytes / (PEAK_TBPS * 1e12 / SMS) * 1e9
+        slots_per_warp = ns * a.clock_ghz * SCHEDULERS / (CTAS_PER_SM * 4)
+        print(f"{name}: {config.algorithm}, split {config.split_k}, {config.num_stages} stages, "
+              f"token codes {config.token_codes}: {len(body)} instructions per warp and "
+              f"K block of {BLOCK_K}; issue slots at the HBM rate {slots_per_warp:.0f} "
+              f"({len(body) / slots_per_warp:.2f}x)")
+        print("  " + ", ".join(f"{op} {count}" for op, count in mix.most_common(16)))
+
+
+if __name__ == "__main__":
+    main()
