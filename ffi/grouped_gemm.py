@@ -16,8 +16,9 @@ Contract::
                  ``quant.WeightFormat`` (FP4 + E8M0 1x32, FP8 + E8M0 128x128, or plain)
     row_weights: [M] floating, gated form only (None: 1)
     row_norm:    None, or (weight [K], eps): the rows are ``rms_norm(x, weight, eps)``'s
-                 output first (a linear after an RMSNorm: at decode the kernels that quantise
-                 their tokens normalise them too, so the norm takes no launch of its own)
+                 output first (a linear after an RMSNorm; under
+                 ``GroupedGemmPolicy(row_norm_in_kernel=True)`` the decode kernels that
+                 quantise their tokens normalise them too, so the norm takes no launch)
 
     plain:  y[m] = x'[m] . W[g_m]^T
     gated:  y[m] = rw[m] * swiglu(round(x'[m] . W[g_m]^T), round(x'[m] . W_up[g_m]^T))
@@ -54,6 +55,15 @@ __all__ = ["grouped_gemm", "grouped_gemm_reference", "check_grouped_gemm_args",
 
 
 # ----------------------------------------------------------------------------- the op
+def _row_norm_operand(row_norm):
+    """``(weight or None, rebuild)``: the norm weight as a positional array operand (dispatch
+    passes no keywords) and the function that makes ``row_norm`` of it again, eps static."""
+    if row_norm is None:
+        return None, lambda weight: None
+    eps = float(row_norm[1])
+    return row_norm[0], lambda weight: (weight, eps)
+
+
 def _support(x, group_ids, w, w_up=None, row_weights=None, *, simulate=False, policy=None):
     return grouped_gemm_sm90.support(
         x.shape[0], x.shape[1], jnp.dtype(x.dtype).name, w, w_up,
@@ -76,10 +86,7 @@ def grouped_gemm(x, group_ids, w, *, w_up=None, row_weights=None, swiglu_limit: 
     policy = policy or GroupedGemmPolicy()
     static = dict(swiglu_limit=float(swiglu_limit), simulate=bool(simulate))
     w_up = (None, None) if w_up is None else w_up
-    norm_weight, eps = (None, None) if row_norm is None else (row_norm[0], float(row_norm[1]))
-
-    def norm(weight):
-        return None if weight is None else (weight, eps)
+    norm_weight, norm = _row_norm_operand(row_norm)
 
     def reference(x, group_ids, weight, scale, up, up_scale, row_weights, norm_weight):
         return grouped_gemm_reference(
@@ -109,10 +116,7 @@ def grouped_gemm_pair(x, group_ids, w, w_next, *, simulate: bool = False, row_no
     check_row_norm("grouped_gemm_pair", row_norm, x)
     policy = policy or GroupedGemmPolicy()
     simulate = bool(simulate)
-    norm_weight, eps = (None, None) if row_norm is None else (row_norm[0], float(row_norm[1]))
-
-    def norm(weight):
-        return None if weight is None else (weight, eps)
+    norm_weight, norm = _row_norm_operand(row_norm)
 
     def reference(x, group_ids, weight, scale, weight_next, scale_next, norm_weight):
         return grouped_gemm_pair_reference(x, group_ids, (weight, scale),

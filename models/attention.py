@@ -191,8 +191,9 @@ class Attention(nn.Module):
             kv = linear(cfg.dim, c, name="wkv")(x)
         q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, name="q_norm")
         qr = q_norm(q_lat)
-        # Quantised, wq_b's op takes q_lat and the norm: its decode kernels normalise the rows
-        # as they quantise them, and the norm takes no launch of its own (qr then unused).
+        # Quantised, wq_b's op takes q_lat and the norm (qr is then unused): XLA's norm before
+        # its launch, or under GroupedGemmPolicy(row_norm_in_kernel=True) inside its decode
+        # kernels, where the norm takes no launch of its own.
         row_norm = (q_norm.weight, cfg.norm_eps)
         indexer = Indexer(cfg, self.policy, self.mesh, name="indexer") if kind == "csa" else None
         index_q = None
