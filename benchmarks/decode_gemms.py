@@ -3,7 +3,8 @@ of its weight bytes (and its TF/s, for prefill sizes), for the configuration the
 and for variants of it.
 
     source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
-        [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations [a,b]] [--budget 400] [--out f.md]
+        [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations [a,b]] [--row-blocks]
+        [--budget 400] [--out f.md]
     python3 benchmarks/decode_gemms.py --tiny          # dry run (CPU): variants, no launch
     bash benchmarks/run_on_device.sh gemm_ncu wq_b 1   # Nsight Compute of one launch (--ncu)
 
@@ -106,7 +107,8 @@ def gemm_shapes(cfg: Config) -> dict[str, GemmShape]:
 def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[str, ...],
              algorithms: tuple[str, ...] = (), base: str = "",
              stages: tuple[int, ...] = STAGES, splits: tuple[int, ...] = SPLITS,
-             block_ns: tuple[int, ...] = (), prefill_algorithms: tuple[str, ...] = ()):
+             block_ns: tuple[int, ...] = (), prefill_algorithms: tuple[str, ...] = (),
+             row_blocks: bool = False):
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
@@ -114,7 +116,9 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     only where weights are converted: FP4, or FP8 into bf16 MMAs). On prefill tiles the sweep is kernel x ``block_ns`` x
     stages: the model's kernel and
     ``prefill_algorithms``, tiles of ``block_ns`` token rows (default: the model's), the
-    ``stages`` that fit shared memory for this launch."""
+    ``stages`` that fit shared memory for this launch. ``row_blocks``: also the first config
+    on the other number of 64-row blocks per CTA (1 or 2; ungated launches of kernels that
+    take two, outputs of whole 128-row blocks)."""
     # The routed experts' launches resolve as the MoE op resolves them: with the features of
     # both launches of its call (w1/w3: K = d, N = inter; w2 the reverse), which set their
     # shared K split and stages (ffi/moe_sm90.moe_configs).
@@ -134,6 +138,10 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     out = [(f"policy {base}" if base else "model", model)]
     if quantising != model:
         out.append(("kernel quantises (token_codes none)", quantising))
+    if (row_blocks and not shape.gated and model.spec.max_row_blocks > 1
+            and not any(n % 128 for n in n_outs)):
+        other = dataclasses.replace(model, row_blocks=3 - model.row_blocks)
+        out.append((f"row blocks {other.row_blocks}", other))
     for algorithm in algorithms:
         other = config(decode_algorithm=algorithm)
         if other not in [c for _, c in out]:
@@ -270,6 +278,9 @@ def main(argv=None):
     p.add_argument("--base", default="",
                    help="decode algorithm of the first row, the sweep and the ablations "
                         "(default: the model's config)")
+    p.add_argument("--row-blocks", action="store_true",
+                   help="also the model's config on the other number of 64-row blocks per "
+                        "CTA (ungated launches)")
     p.add_argument("--budget", type=float, default=float("inf"),
                    help="seconds after which no new variant starts")
     p.add_argument("--out", default=None, help="markdown table path")
@@ -277,6 +288,8 @@ def main(argv=None):
     p.add_argument("--ncu", action="store_true",
                    help="the model's config only, three untimed executions (for Nsight "
                         "Compute: run_on_device.sh gemm_ncu)")
+    p.add_argument("--ncu-index", type=int, default=0,
+                   help="with --ncu: the variant to run (0: the model's config)")
     args = p.parse_args(argv)
     cfg = Config.tiny(quantized=True) if args.tiny else Config.flash(quantized=True)
     shapes = gemm_shapes(cfg)
@@ -321,8 +334,9 @@ def main(argv=None):
                     tuple(int(v) for v in args.stages.split(",")),
                     tuple(int(v) for v in args.splits.split(",")),
                     tuple(int(v) for v in args.block_ns.split(",") if v),
-                    tuple(a for a in args.prefill_algorithms.split(",") if a))[
-                        :1 if args.ncu else None]:
+                    tuple(a for a in args.prefill_algorithms.split(",") if a),
+                    args.row_blocks)[
+                        args.ncu_index:args.ncu_index + 1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
                           "and later variants not run", flush=True)

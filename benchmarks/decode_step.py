@@ -86,6 +86,7 @@ def sub_stack(params: dict, layers: int) -> dict:
 VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True},
             "codes": {"token_codes": "gathered"}, "nocodes": {"token_codes": "none"},
             "rownorm": {"row_norm_in_kernel": True},
+            "rows1": {"row_blocks": 1}, "rows2": {"row_blocks": 2},
             "routedcodes": {"token_codes": "routed"}}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
@@ -100,7 +101,9 @@ def policy_of(value: str) -> KernelPolicy:
     dependent launches; ``/codes``, ``/nocodes``, ``/routedcodes``: the routed launches'
     rows quantised by XLA or by the kernels (``GroupedGemmPolicy.token_codes`` "gathered",
     "none", "routed"); ``/rownorm``: q_norm inside wq_b's kernel
-    (``GroupedGemmPolicy.row_norm_in_kernel``); ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
+    (``GroupedGemmPolicy.row_norm_in_kernel``); ``/rows1``, ``/rows2``: the ungated decode
+    launches on one or two 64-row blocks per CTA (``GroupedGemmPolicy.row_blocks``);
+    ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
     mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
     inside the attention op)."""
     value, _, variant = value.partition("/")

@@ -65,6 +65,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--clock-ghz", type=float, default=1.755)
+    p.add_argument("--row-blocks", type=int, default=None,
+                   help="64-row blocks per CTA of the ungated launch (default: as resolved)")
     a = p.parse_args()
     rows = a.tokens * TOP_K
     print(f"routed experts, Flash FP4, T = {a.tokens} ({rows} rows over {EXPERTS} experts)")
@@ -75,15 +77,18 @@ def main():
         codes = gated and not use_row_tiles(rows, EXPERTS, config)
         if config.spec.quantizes_tokens:
             config = dataclasses.replace(config, token_codes=codes)
+        if a.row_blocks is not None and not gated:
+            config = dataclasses.replace(config, row_blocks=a.row_blocks)
         ptx = compile_variant("fp4", gated, config, a=rows, k=k, n=n, e=EXPERTS).artifacts.PTX
         body = loop_body(ptx)
         mix = collections.Counter(opcode(l) for l in body)
-        # One K block of a CTA: 64 weight rows per matrix (plus a 4-byte scale word each).
-        block_bytes = (2 if gated else 1) * 64 * (ROW_BYTES["fp4"] + 4)
+        # One K block of a CTA: 64 weight rows per matrix and row block (plus a 4-byte scale
+        # word each).
+        block_bytes = (2 if gated else config.row_blocks) * 64 * (ROW_BYTES["fp4"] + 4)
         ns = CTAS_PER_SM * block_bytes / (PEAK_TBPS * 1e12 / SMS) * 1e9
         slots_per_warp = ns * a.clock_ghz * SCHEDULERS / (CTAS_PER_SM * 4)
         print(f"{name}: {config.algorithm}, split {config.split_k}, {config.num_stages} stages, "
-              f"token codes {config.token_codes}: {len(body)} instructions per warp and "
+              f"token codes {config.token_codes}, row blocks {config.row_blocks}: {len(body)} instructions per warp and "
               f"K block of {BLOCK_K}; issue slots at the HBM rate {slots_per_warp:.0f} "
               f"({len(body) / slots_per_warp:.2f}x)")
         print("  " + ", ".join(f"{op} {count}" for op, count in mix.most_common(16)))

@@ -18,8 +18,9 @@
 #        e.g. --shapes flash --tokens 512,4096,16384 --routings balanced --no-xla)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh model
 #       (decode_step.py: decode per layer + breakdown, prefill chunks + breakdown)
-#   source .device/setup.sh && bash benchmarks/run_on_device.sh gemm_ncu wq_b 1
-#       (Nsight Compute of one decode GEMM launch of decode_gemms.py, the model's config)
+#   source .device/setup.sh && bash benchmarks/run_on_device.sh gemm_ncu wq_b 1 [ARGS]
+#       (Nsight Compute of one decode GEMM launch of decode_gemms.py, the model's config, or
+#        with ARGS "--row-blocks --ncu-index 1" its second variant; NCU_TAG=_x names it apart)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh op_ncu REGEX CMD...
 #       (Nsight Compute of the fifth launch of a kernel matching REGEX in CMD)
 #   source .device/setup.sh && bash benchmarks/run_on_device.sh prefill_ncu wgmma_fp8_coop 4096
@@ -146,15 +147,18 @@ if [[ $what == moe_detail ]]; then
   ncu_report "moe_$tokens"
 fi
 if [[ $what == gemm_ncu ]]; then
-  gemm=${1:-wq_b}; tokens=${2:-1}
+  # Further arguments go to decode_gemms.py (e.g. --row-blocks --ncu-index 1: that variant);
+  # NCU_TAG names the report apart.
+  gemm=${1:-wq_b}; tokens=${2:-1}; shift 2 || true
+  report="gemm_${gemm}_$tokens${NCU_TAG:-}"
   XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout ${PROFILE_TIMEOUT:-200} "$ncu" \
     --clock-control none --replay-mode kernel \
     --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
     --section Occupancy --section MemoryWorkloadAnalysis --section SourceCounters \
     --section LaunchStats -k regex:GroupedGemm --launch-skip 4 --launch-count 1 \
-    -f -o "$OUT/gemm_${gemm}_$tokens" python3 benchmarks/decode_gemms.py --gemms "$gemm" \
-    --tokens "$tokens" --ncu >"$OUT/ncu_run_gemm.log" 2>&1 || tail -20 "$OUT/ncu_run_gemm.log"
-  ncu_report "gemm_${gemm}_$tokens"
+    -f -o "$OUT/$report" python3 benchmarks/decode_gemms.py --gemms "$gemm" \
+    --tokens "$tokens" --ncu "$@" >"$OUT/ncu_run_gemm.log" 2>&1 || tail -20 "$OUT/ncu_run_gemm.log"
+  ncu_report "$report"
 fi
 if [[ $what == op_ncu ]]; then
   # Nsight Compute of the fifth launch of a kernel whose name matches $1 in the command

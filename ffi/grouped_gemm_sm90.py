@@ -38,7 +38,7 @@ from dsv4_jax import quant
 from dsv4_jax.kernels.grouped_gemm_config import (FP8_CODE_ALGORITHMS, WEIGHT_FORMATS,
                                                   GroupedGemmSm90Config, choose_config,
                                                   num_tile_slots)
-from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, warp_scale_group
+from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, BLOCK_M, warp_scale_group
 from .grouped_gemm_reference import normed_rows
 from .policy import GroupedGemmPolicy
 
@@ -74,7 +74,7 @@ def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt
     return choose_config(rows, groups, fmt, decode_algorithm=policy.decode_algorithm,
                          prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
                          k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k,
-                         pdl=policy.pdl, gated=gated)
+                         pdl=policy.pdl, gated=gated, row_blocks=policy.row_blocks)
 
 
 def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,
@@ -238,7 +238,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      token_stages=config.token_stages, paired=paired,
                      token_stride=token_stride, **({"pdl": config.pdl} if config.pdl else {}),
                      **({"token_codes": True} if config.token_codes else {}),
-                     **({"row_norm_eps": config.row_norm_eps} if normed else {}))
+                     **({"row_norm_eps": config.row_norm_eps} if normed else {}),
+                     **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}))
     return y
 
 
@@ -342,6 +343,9 @@ def pair_config(policy: GroupedGemmPolicy | None, rows: int, k: int, w, w_next,
     groups = w[0].shape[0]
     config = resolve_config(policy, rows, groups, fmt, (k,), simulate,
                             (w[0].shape[1] + w_next[0].shape[1],))
+    if any(m[0].shape[1] % (BLOCK_M * config.row_blocks) for m in (w, w_next)):
+        # A CTA's row blocks lie in one of the two weights.
+        config = dataclasses.replace(config, row_blocks=1)
     return config if config.spec.tiles == "decode" else None
 
 

@@ -80,6 +80,10 @@ class GroupedGemmPolicy:
       ``q_norm``: the norm then takes no launch); False (the default), XLA's ``rms_norm``
       runs before the launch, as for every other kernel. Off while it does not shorten the
       step (docs/performance.md, "q_norm inside wq_b").
+    row_blocks: 64-row output blocks per CTA of the ungated decode launches of "mma_fp8" and
+      "wgmma_rs" (``GroupedGemmSm90Config.row_blocks``): 1 (the default) or 2 wherever they
+      apply. Two issue fewer instructions per weight byte, yet measured slower on the routed
+      w2 and the dense linears (docs/performance.md, thirty-sixth session).
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
@@ -88,6 +92,7 @@ class GroupedGemmPolicy:
     pdl: bool = False
     token_codes: str = "gathered"
     row_norm_in_kernel: bool = False
+    row_blocks: int = 1
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm,
@@ -102,6 +107,9 @@ class GroupedGemmPolicy:
                 or not 1 <= self.split_k <= MAX_SPLIT_K):
             raise ValueError(f"GroupedGemmPolicy: split_k must be None (automatic) or an "
                              f"integer in [1, {MAX_SPLIT_K}], got {self.split_k!r}")
+        if type(self.row_blocks) is not int or self.row_blocks not in (1, 2):
+            raise ValueError(f"GroupedGemmPolicy: row_blocks must be 1 or 2, got "
+                             f"{self.row_blocks!r}")
         if self.token_codes not in TOKEN_CODES:
             raise ValueError(f"GroupedGemmPolicy: token_codes must be one of {TOKEN_CODES}, "
                              f"got {self.token_codes!r}")

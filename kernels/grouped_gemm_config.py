@@ -70,6 +70,8 @@ class KernelSpec:
       as K blocks per batch of register loads, so one will do).
     quantizes_tokens: takes the bf16 rows and quantises them itself (the official 1 x 128
       blocks, exactly ``quant.act_quant``), so no XLA launch quantises them first.
+    max_row_blocks: the most ``GroupedGemmSm90Config.row_blocks`` (64-row output blocks per
+      CTA of an ungated launch) it takes.
     """
     algorithm: str
     module: str
@@ -82,6 +84,7 @@ class KernelSpec:
     ablations: tuple[str, ...]
     min_stages: int = 2
     quantizes_tokens: bool = False
+    max_row_blocks: int = 1
 
 
 KERNELS = {spec.algorithm: spec for spec in (
@@ -96,12 +99,12 @@ KERNELS = {spec.algorithm: spec for spec in (
                True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_scale_load", "no_dequant", "no_mma", "no_quant", "no_reduce",
                 "no_cluster"),
-               quantizes_tokens=True),
+               quantizes_tokens=True, max_row_blocks=2),
     KernelSpec("wgmma_rs", "grouped_gemm_sm90_wgmma_rs", "GroupedGemmWgmmaRsSm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_scale_load", "no_dequant", "no_mma", "no_quant", "no_reduce",
                 "no_cluster"),
-               quantizes_tokens=True),
+               quantizes_tokens=True, max_row_blocks=2),
     KernelSpec("mma_fp8_stream", "grouped_gemm_sm90_mma_fp8_stream",
                "GroupedGemmMmaFp8StreamSm90", "decode", True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_mma"), min_stages=1),
@@ -162,6 +165,12 @@ class GroupedGemmSm90Config:
       ``rms_norm(x, w, eps)``'s output, ``w`` the norm weight the launch takes in the token
       scales' place -- so that a linear after an RMSNorm needs no launch for the norm
       (``grouped_gemm(row_norm=)``); None: the rows as they come.
+    row_blocks: 64-row output blocks per CTA of an ungated launch (paired: both weights in
+      whole such blocks; kernels with
+      ``KernelSpec.max_row_blocks`` > 1): with 2 each warp streams 16 rows of both blocks,
+      as a gated launch streams its two matrices, so that the token operand, the K loop and
+      its addresses are paid once for twice the weight bytes (fewer instructions per byte,
+      but slower where measured: opt-in, docs/performance.md, thirty-sixth session).
     """
     block_n: int = 8
     num_stages: int = 8
@@ -172,6 +181,7 @@ class GroupedGemmSm90Config:
     pdl: str = ""
     token_codes: bool = False
     row_norm_eps: float | None = None
+    row_blocks: int = 1
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -217,6 +227,11 @@ class GroupedGemmSm90Config:
                              f">= 0 with an algorithm that quantises its tokens (not "
                              f"token_codes); got {self.row_norm_eps!r} with "
                              f"{self.algorithm!r}, token_codes {self.token_codes}")
+        if (isinstance(self.row_blocks, bool) or not isinstance(self.row_blocks, int)
+                or not 1 <= self.row_blocks <= spec.max_row_blocks):
+            raise ValueError(f"GroupedGemmSm90Config: row_blocks must be an int in [1, "
+                             f"{spec.max_row_blocks}] for {self.algorithm!r}, got "
+                             f"{self.row_blocks!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -242,7 +257,9 @@ class GroupedGemmSm90Config:
         if self.algorithm == "mma_sync":
             return warp_smem_bytes(weight_format, gated, self.num_stages)
         if self.spec.quantizes_tokens:          # "mma_fp8", "wgmma_rs"
-            return fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
+            # Two row blocks take the ring of a gated launch's two matrices.
+            return fp8_warp_smem_bytes(weight_format, gated or self.row_blocks > 1,
+                                       self.num_stages,
                                        self.token_stages) + (
                 WARP_TOKENS * 4 if self.row_norm_eps is not None else 0)
         if self.algorithm == "mma_fp8_stream":
@@ -286,6 +303,10 @@ class GroupedGemmSm90Config:
             return False, f"block_n {self.block_n} (a multiple of 8, <= {128 if gated else 256})"
         if n_out % BLOCK_M:
             return False, f"output features {n_out} (the kernel needs a multiple of {BLOCK_M})"
+        if self.row_blocks > 1 and (gated or n_out % (BLOCK_M * self.row_blocks)):
+            return False, (f"row_blocks {self.row_blocks} (ungated launches of output "
+                           f"features a multiple of {BLOCK_M * self.row_blocks}; got "
+                           f"{n_out}, gated {gated})")
         if self.algorithm in COOP_ALGORITHMS and n_out % COOP_ROWS:
             return False, (f"output features {n_out} (algorithm {self.algorithm!r} needs a "
                            f"multiple of {COOP_ROWS})")
@@ -402,6 +423,7 @@ PREFILL_FP8_CONFIG = GroupedGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_st
 
 
 NUM_SMS = 132            # H100 SXM and H200
+
 # Rows per group up to which a launch whose WGMMA tiles would leave SMs idle runs the warp
 # kernels' 8-row tiles instead (each weight block then read by up to 16 tiles, through L2) --
 # the FP8 warp kernels only: "mma_sync" converts every weight byte to bf16 again for each of
@@ -463,7 +485,7 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   fp8_activations: bool = True, k_ins: tuple[int, ...] = (),
                   n_outs: tuple[int, ...] = (),
                   split_k: int | None = 1, pdl: bool = False,
-                  gated: bool = False) -> GroupedGemmSm90Config:
+                  gated: bool = False, row_blocks: int = 1) -> GroupedGemmSm90Config:
     """The config of a launch (``gated``: of two matrices and the SwiGLU) in a call whose
     launches have input features ``k_ins`` and outputs ``n_outs`` (the op checks support
     with it too). Every launch of a call gets the same tiles; with
@@ -490,7 +512,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     ``SPLIT_STAGES``);
     fewer while two CTAs would not fit in an SM. ``pdl``: warp kernels launch as programmatic
     dependents ("start"; the launch upgrades it to "weights" where it may,
-    ``GroupedGemmSm90Config.pdl``)."""
+    ``GroupedGemmSm90Config.pdl``). ``row_blocks``: 64-row output blocks per CTA of an
+    ungated warp-kernel launch whose kernel takes them and whose ``n_outs`` are whole such
+    blocks (elsewhere 1)."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, DECODE_ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
@@ -530,6 +554,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        if (row_blocks > 1 and not gated and row_blocks <= config.spec.max_row_blocks
+                and n_outs and not any(n % (BLOCK_M * row_blocks) for n in n_outs)):
+            config = dataclasses.replace(config, row_blocks=row_blocks)
         return dataclasses.replace(config, pdl="start") if pdl else config
     algorithm = decode_algorithm if decode else prefill_algorithm
     if algorithm in COOP_ALGORITHMS and (weight_format not in KERNELS[algorithm].weight_formats

@@ -89,7 +89,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         self.weights_offset = self.token_stages * FP8_TOKEN_STAGE_BYTES
         self.scales_offset = self.weights_offset + self.num_stages * WARP_COUNT * (
             self.warp_stage_bytes)
-        self.smem_bytes = fp8_warp_smem_bytes(weight_format, gated, self.num_stages,
+        self.smem_bytes = fp8_warp_smem_bytes(weight_format, self.mats == 2, self.num_stages,
                                               self.token_stages)
         # Row norm: the tile rows' inverse RMS (f32 each) after the rest.
         self.row_norm_eps = config.row_norm_eps

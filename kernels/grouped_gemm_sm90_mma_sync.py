@@ -93,6 +93,14 @@ class GroupedGemmMmaSyncSm90:
         self.gated = gated
         self.paired = paired
         self.mats = 2 if gated else 1
+        # 64-row output blocks per CTA ("mma_fp8", "wgmma_rs": ``row_blocks``; 2 streams
+        # the second block as a second matrix).
+        self.row_blocks = config.row_blocks
+        if config.row_blocks > 1:
+            if gated:
+                raise ValueError(f"{type(self).__name__}: row_blocks {config.row_blocks} "
+                                 f"needs an ungated launch")
+            self.mats = config.row_blocks
         self.swiglu_limit = float(swiglu_limit)
         self.num_stages = config.num_stages
         self.leaves_out = config.leaves_out
@@ -133,7 +141,7 @@ class GroupedGemmMmaSyncSm90:
         n_out = mWa.shape[1]
         if const_expr(self.paired):
             n_out = mWa.shape[1] + mWb.shape[1]
-        grid = [n_out // BLOCK_M, mTileExpert.shape[0], self.split_k]
+        grid = [n_out // (BLOCK_M * self.row_blocks), mTileExpert.shape[0], self.split_k]
         launched = self.kernel(mX, mTileExpert, mTileRow0, mTileRows, mWa, mSa, mWb, mSb, mRw,
                                mXs, mOut)
         # The splits of a tile are one cluster: they add their sums in shared memory.
@@ -165,13 +173,17 @@ class GroupedGemmMmaSyncSm90:
             base = storage.ring.data_ptr().toint()
             row0 = mTileRow0[slot]
             rows = mTileRows[slot]
-            # The weight this CTA reads and its 64-row block of it (paired: output blocks
-            # past the first weight's are the second weight's).
-            # (Ungated, the K loop reads no second matrix: the chosen one stands in for it.)
+            # The weight this CTA reads and its first 64-row block of it (paired: output
+            # blocks past the first weight's are the second weight's).
+            # (Ungated, the K loop reads no second matrix: the chosen one stands in for it;
+            # with two row blocks the second "matrix" is the next 64 rows of the weight.)
             mW, mS, mW2, mS2, w_tile = mWa, mSa, mWb, mSb, m_tile
             if const_expr(self.paired):
                 mW, mS, w_tile = self.paired_weight(mWa, mSa, mWb, mSb, m_tile)
                 mW2, mS2 = mW, mS
+            if const_expr(self.row_blocks > 1):
+                w_tile = w_tile * self.row_blocks
+                mW2, mS2 = self.next_row_block(mW, mS)
             # First weight row (of [E * N]) of this warp's 16.
             w_row = expert * mW.shape[1] + w_tile * BLOCK_M + warp * WARP_ROWS
             acc = cute.make_rmem_tensor((4 * self.mats,), Float32)
@@ -197,7 +209,7 @@ class GroupedGemmMmaSyncSm90:
         ``mWa``'s blocks first, then ``mWb``'s. Both are [G, N_i, row bytes] in one format
         (scales [G, N_i / 128, K / 128] or [G, N_i, K / 32]); the K loop reads only their
         base addresses and N, so the chosen pair is rebuilt from those."""
-        tiles_a = mWa.shape[1] // BLOCK_M
+        tiles_a = mWa.shape[1] // (BLOCK_M * self.row_blocks)
         w_addr, s_addr = mWa.iterator.toint(), mSa.iterator.toint()
         n, scale_rows, w_tile = Int32(mWa.shape[1]), Int32(mSa.shape[1]), m_tile
         if m_tile >= tiles_a:
@@ -212,6 +224,22 @@ class GroupedGemmMmaSyncSm90:
             cute.make_layout((groups, scale_rows, scale_cols),
                              stride=(scale_rows * scale_cols, scale_cols, 1)))
         return weight, scales, w_tile
+
+    @cute.jit
+    def next_row_block(self, mW: cute.Tensor, mS: cute.Tensor):
+        """``row_blocks`` 2: the weight and scales as seen from BLOCK_M rows further on, so
+        that the second "matrix" of the K loop is the CTA's second row block. FP4 scales
+        are per row ([G, N, K / 32] bytes); FP8 scales are per 128 x 128 block, which holds
+        both of the CTA's (its first block is even), so they are the same."""
+        weight = cute.make_tensor(
+            cute.make_ptr(cutlass.Uint8, mW.iterator.toint() + BLOCK_M * mW.shape[2],
+                          cute.AddressSpace.gmem, assumed_align=16), mW.layout)
+        scales = mS
+        if const_expr(self.weight_format == "fp4"):
+            scales = cute.make_tensor(
+                cute.make_ptr(cutlass.Uint8, mS.iterator.toint() + BLOCK_M * mS.shape[2],
+                              cute.AddressSpace.gmem, assumed_align=4), mS.layout)
+        return weight, scales
 
     @cute.jit
     def add_splits(self, acc: cute.Tensor, base: Int32, split: Int32, tidx: Int32):
@@ -399,7 +427,9 @@ class GroupedGemmMmaSyncSm90:
             num_bits_per_copy=8 * nbytes)
         mat = lane // WARP_ROWS
         if mat < self.mats:
-            s_base = (mSa if mat == 0 else mSb).iterator.toint()
+            s_base = mSa.iterator.toint()
+            if mat == 1:
+                s_base = mSb.iterator.toint()
             if const_expr(self.weight_format == "fp4"):
                 row = (w_row + lane % WARP_ROWS).to(Int64)
                 copy_bytes(atom, nbytes, s_base + row * (num_k * 4) + kb * 4,
@@ -476,7 +506,7 @@ class GroupedGemmMmaSyncSm90:
                  row0: Int32, rows: Int32, lane: Int32, acc: cute.Tensor):
         """bf16 outputs of the tile's valid rows (SwiGLU x routing weight when gated)."""
         g, t = lane // 4, lane % 4
-        col0 = m_tile * BLOCK_M + warp * WARP_ROWS + g
+        col0 = m_tile * BLOCK_M * self.row_blocks + warp * WARP_ROWS + g
         for j in cutlass.range_constexpr(4):
             n = 2 * t + j % 2                    # token row of accumulator j
             col = col0 + 8 * (j // 2)            # weight row = output feature
@@ -485,7 +515,8 @@ class GroupedGemmMmaSyncSm90:
                     h = gated_output(acc[j], acc[4 + j], mRw[row0 + n], self.swiglu_limit)
                     mOut[row0 + n, col] = h.to(self.dtype)
                 else:
-                    mOut[row0 + n, col] = acc[j].to(self.dtype)
+                    for b in cutlass.range_constexpr(self.row_blocks):
+                        mOut[row0 + n, col + BLOCK_M * b] = acc[4 * b + j].to(self.dtype)
 
 
 def _load_words(addr):
