@@ -4,7 +4,7 @@ and for variants of it.
 
     source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
         [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations [a,b]] [--row-blocks]
-        [--budget 400] [--out f.md]
+        [--token-stages 4,8] [--budget 400] [--out f.md]
     python3 benchmarks/decode_gemms.py --tiny          # dry run (CPU): variants, no launch
     bash benchmarks/run_on_device.sh gemm_ncu wq_b 1   # Nsight Compute of one launch (--ncu)
 
@@ -108,7 +108,7 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
              algorithms: tuple[str, ...] = (), base: str = "",
              stages: tuple[int, ...] = STAGES, splits: tuple[int, ...] = SPLITS,
              block_ns: tuple[int, ...] = (), prefill_algorithms: tuple[str, ...] = (),
-             row_blocks: bool = False):
+             row_blocks: bool = False, token_stages: tuple[int, ...] = ()):
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
@@ -118,7 +118,9 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     ``prefill_algorithms``, tiles of ``block_ns`` token rows (default: the model's), the
     ``stages`` that fit shared memory for this launch. ``row_blocks``: also the first config
     on the other number of 64-row blocks per CTA (1 or 2; ungated launches of kernels that
-    take two, outputs of whole 128-row blocks)."""
+    take two, outputs of whole 128-row blocks). ``token_stages``: also the first config with
+    each of these token stages (kernels that quantise or copy their tokens: how many K blocks
+    of token rows are loaded ahead)."""
     # The routed experts' launches resolve as the MoE op resolves them: with the features of
     # both launches of its call (w1/w3: K = d, N = inter; w2 the reverse), which set their
     # shared K split and stages (ffi/moe_sm90.moe_configs).
@@ -142,6 +144,10 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
             and not any(n % 128 for n in n_outs)):
         other = dataclasses.replace(model, row_blocks=3 - model.row_blocks)
         out.append((f"row blocks {other.row_blocks}", other))
+    for count in token_stages:
+        if model.spec.quantizes_tokens and count != model.token_stages:
+            out.append((f"token stages {count}",
+                        dataclasses.replace(model, token_stages=count)))
     for algorithm in algorithms:
         other = config(decode_algorithm=algorithm)
         if other not in [c for _, c in out]:
@@ -288,6 +294,8 @@ def main(argv=None):
     p.add_argument("--ncu", action="store_true",
                    help="the model's config only, three untimed executions (for Nsight "
                         "Compute: run_on_device.sh gemm_ncu)")
+    p.add_argument("--token-stages", default="",
+                   help="also the model's config with these token stages (comma-separated)")
     p.add_argument("--ncu-index", type=int, default=0,
                    help="with --ncu: the variant to run (0: the model's config)")
     args = p.parse_args(argv)
@@ -335,7 +343,8 @@ def main(argv=None):
                     tuple(int(v) for v in args.splits.split(",")),
                     tuple(int(v) for v in args.block_ns.split(",") if v),
                     tuple(a for a in args.prefill_algorithms.split(",") if a),
-                    args.row_blocks)[
+                    args.row_blocks,
+                    tuple(int(v) for v in args.token_stages.split(",") if v))[
                         args.ncu_index:args.ncu_index + 1 if args.ncu else None]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "

@@ -74,7 +74,8 @@ def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt
     return choose_config(rows, groups, fmt, decode_algorithm=policy.decode_algorithm,
                          prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
                          k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k,
-                         pdl=policy.pdl, gated=gated, row_blocks=policy.row_blocks)
+                         pdl=policy.pdl, gated=gated, row_blocks=policy.row_blocks,
+                         token_stages=policy.token_stages)
 
 
 def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,

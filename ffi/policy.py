@@ -22,7 +22,8 @@ from collections.abc import Mapping
 
 from dsv4_jax.kernels.grouped_gemm_config import (DECODE_ALGORITHMS, DEFAULT_DECODE_ALGORITHM,
                                                   DEFAULT_PREFILL_ALGORITHM,
-                                                  MAX_SPLIT_K, PREFILL_ALGORITHMS)
+                                                  FP8_TOKEN_BUFFERS, MAX_SPLIT_K,
+                                                  MAX_TOKEN_STAGES, PREFILL_ALGORITHMS)
 from dsv4_jax.kernels.sparse_attention_config import SparseAttentionSm90Config
 from .registry import KERNEL, REFERENCE, check_implementation, op_spec
 
@@ -84,6 +85,11 @@ class GroupedGemmPolicy:
       "wgmma_rs" (``GroupedGemmSm90Config.row_blocks``): 1 (the default) or 2 wherever they
       apply. Two issue fewer instructions per weight byte, yet measured slower on the routed
       w2 and the dense linears (docs/performance.md, thirty-sixth session).
+    token_stages: K blocks of token rows the decode launches of "mma_fp8" and "wgmma_rs"
+      quantise (or copy) ahead, ``GroupedGemmSm90Config.token_stages``: None (the default)
+      automatic -- ``grouped_gemm_config.FEW_TILES_TOKEN_STAGES`` for launches of at most
+      two row tiles, ``UNSPLIT_TOKEN_STAGES`` for unsplit launches of more rows, 2 for split
+      ones --, or that many (2 ... ``MAX_TOKEN_STAGES``) for every such launch.
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
@@ -93,6 +99,7 @@ class GroupedGemmPolicy:
     token_codes: str = "gathered"
     row_norm_in_kernel: bool = False
     row_blocks: int = 1
+    token_stages: int | None = None
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm,
@@ -110,6 +117,12 @@ class GroupedGemmPolicy:
         if type(self.row_blocks) is not int or self.row_blocks not in (1, 2):
             raise ValueError(f"GroupedGemmPolicy: row_blocks must be 1 or 2, got "
                              f"{self.row_blocks!r}")
+        if self.token_stages is not None and (
+                type(self.token_stages) is not int
+                or not FP8_TOKEN_BUFFERS <= self.token_stages <= MAX_TOKEN_STAGES):
+            raise ValueError(f"GroupedGemmPolicy: token_stages must be None (automatic) or an "
+                             f"integer in [{FP8_TOKEN_BUFFERS}, {MAX_TOKEN_STAGES}], got "
+                             f"{self.token_stages!r}")
         if self.token_codes not in TOKEN_CODES:
             raise ValueError(f"GroupedGemmPolicy: token_codes must be one of {TOKEN_CODES}, "
                              f"got {self.token_codes!r}")

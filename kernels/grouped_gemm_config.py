@@ -458,6 +458,10 @@ FEW_TILES_STAGES = 4
 # ... and, quantising their own tokens, all of a short K range's blocks before the K loop (a
 # decode K block's MMAs are shorter than a token load's latency: docs/performance.md).
 FEW_TILES_TOKEN_STAGES = MAX_TOKEN_STAGES
+# The unsplit launches of more rows too (the routed launches at batch 64: gated "mma_fp8" -10 %,
+# w2 -5 %); the split ones keep 2 (the routed w1/w3 at batch 8 and 16 +3 % with more;
+# docs/performance.md, thirty-sixth session).
+UNSPLIT_TOKEN_STAGES = MAX_TOKEN_STAGES
 
 
 def auto_split_k(num_rows: int, num_groups: int, weight_format: str, k_ins: tuple[int, ...],
@@ -485,7 +489,8 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   fp8_activations: bool = True, k_ins: tuple[int, ...] = (),
                   n_outs: tuple[int, ...] = (),
                   split_k: int | None = 1, pdl: bool = False,
-                  gated: bool = False, row_blocks: int = 1) -> GroupedGemmSm90Config:
+                  gated: bool = False, row_blocks: int = 1,
+                  token_stages: int | None = None) -> GroupedGemmSm90Config:
     """The config of a launch (``gated``: of two matrices and the SwiGLU) in a call whose
     launches have input features ``k_ins`` and outputs ``n_outs`` (the op checks support
     with it too). Every launch of a call gets the same tiles; with
@@ -514,7 +519,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     dependents ("start"; the launch upgrades it to "weights" where it may,
     ``GroupedGemmSm90Config.pdl``). ``row_blocks``: 64-row output blocks per CTA of an
     ungated warp-kernel launch whose kernel takes them and whose ``n_outs`` are whole such
-    blocks (elsewhere 1)."""
+    blocks (elsewhere 1). ``token_stages``: the token stages of a decode launch of a kernel
+    that quantises (or copies) its tokens (None: ``FEW_TILES_TOKEN_STAGES`` for at most 2
+    tiles of rows, ``UNSPLIT_TOKEN_STAGES`` for more rows unsplit, 2 for more rows split)."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, DECODE_ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
@@ -551,6 +558,10 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                                              else FP8_TOKEN_BUFFERS))
         elif many > 1:
             config = dataclasses.replace(config, num_stages=SPLIT_STAGES, split_k=many)
+        elif config.spec.quantizes_tokens:
+            config = dataclasses.replace(config, token_stages=UNSPLIT_TOKEN_STAGES)
+        if token_stages is not None and config.spec.quantizes_tokens:
+            config = dataclasses.replace(config, token_stages=token_stages)
         while (config.num_stages > 2
                and 2 * config.smem_bytes(weight_format, True) > SMEM_BYTES):
             config = dataclasses.replace(config, num_stages=config.num_stages - 1)

@@ -8,6 +8,8 @@ import re
 
 import pytest
 
+from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config
+from dsv4_jax.ffi.policy import GroupedGemmPolicy
 from dsv4_jax.kernels import grouped_gemm_config as support
 from dsv4_jax.kernels import grouped_gemm_layout as layout
 
@@ -43,11 +45,19 @@ def test_mma_fp8_compiles_for_sm90a(fmt, gated, k, token_stages):
 
 def test_few_tile_decode_launches_quantise_their_tokens_ahead():
     """The few-tile "mma_fp8" launches take FEW_TILES_TOKEN_STAGES token stages (a short K
-    range quantised before its loop), the others 2; only quantising kernels take more."""
+    range quantised before its loop), unsplit launches of more rows UNSPLIT_TOKEN_STAGES,
+    split ones 2; only quantising kernels take more."""
     few = support.choose_config(8, 4, "fp8", decode_algorithm="mma_fp8")
     many = support.choose_config(64, 64, "fp4", decode_algorithm="mma_fp8")
+    split = support.choose_config(48, 256, "fp4", k_ins=(4096, 2048), split_k=None)
     assert few.token_stages == support.FEW_TILES_TOKEN_STAGES == support.MAX_TOKEN_STAGES
-    assert many.algorithm == "mma_fp8" and many.token_stages == 2
+    assert many.algorithm == "mma_fp8" and many.token_stages == support.UNSPLIT_TOKEN_STAGES
+    assert split.split_k > 1 and split.token_stages == 2
+    assert support.choose_config(64, 64, "fp4", decode_algorithm="mma_fp8",
+                                 token_stages=3).token_stages == 3
+    # The policy's value reaches every such launch of the op (2: the split launches' count).
+    assert resolve_config(GroupedGemmPolicy(token_stages=2), 64, 64, "fp4", (4096,), True,
+                          (2048,)).token_stages == 2
     assert few.smem_bytes("fp8", True) - dataclasses.replace(few, token_stages=2).smem_bytes(
         "fp8", True) == 6 * layout.FP8_TOKEN_STAGE_BYTES
     for bad in (dict(token_stages=9), dict(token_stages=1),
