@@ -174,11 +174,13 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
                 out.append((f"stages {stage_count}, split {split}", config))
     if ablations:
         chosen = KERNELS[model.algorithm].ablations if ablations is True else ablations
+        # An entry may join several ("no_load+no_mma"): each must apply.
         out += [(a, dataclasses.replace(model, ablation=a)) for a in chosen
-                if a in KERNELS[model.algorithm].ablations
-                and (a != "no_dequant" or shape.fmt == "fp4"
-                     or not model.spec.fp8_activations)      # bf16 MMAs convert FP8 too
-                and (a not in ("no_reduce", "no_cluster") or model.split_k > 1)]
+                if all(part in KERNELS[model.algorithm].ablations
+                       and (part != "no_dequant" or shape.fmt == "fp4"
+                            or not model.spec.fp8_activations)  # bf16 MMAs convert FP8 too
+                       and (part not in ("no_reduce", "no_cluster") or model.split_k > 1)
+                       for part in a.split("+"))]
     return out
 
 
@@ -278,7 +280,7 @@ def main(argv=None):
                    help="prefill tiles: kernels the sweep tries besides the model's")
     p.add_argument("--ablations", nargs="?", const="all", default="",
                    help="the kernel's ablations (all, or comma-separated names: those the "
-                        "kernel has)")
+                        "kernel has; a name may join several by +)")
     p.add_argument("--algorithms", default="",
                    help="comma-separated decode algorithms to time as the policy's choice")
     p.add_argument("--base", default="",
