@@ -166,11 +166,11 @@ class GroupedGemmSm90Config:
       scales' place -- so that a linear after an RMSNorm needs no launch for the norm
       (``grouped_gemm(row_norm=)``); None: the rows as they come.
     row_blocks: 64-row output blocks per CTA of an ungated launch (paired: both weights in
-      whole such blocks; kernels with
-      ``KernelSpec.max_row_blocks`` > 1): with 2 each warp streams 16 rows of both blocks,
-      as a gated launch streams its two matrices, so that the token operand, the K loop and
-      its addresses are paid once for twice the weight bytes (fewer instructions per byte,
-      but slower where measured: opt-in, docs/performance.md, thirty-sixth session).
+      whole such blocks) of a kernel with ``KernelSpec.max_row_blocks`` > 1: with 2 each
+      warp streams 16 rows of both blocks, as a gated launch streams its two matrices, so
+      that the token operand, the K loop and its addresses are paid once for twice the
+      weight bytes (fewer instructions per byte, but slower where measured: opt-in,
+      docs/performance.md, thirty-sixth session).
     """
     block_n: int = 8
     num_stages: int = 8
@@ -423,7 +423,6 @@ PREFILL_FP8_CONFIG = GroupedGemmSm90Config(block_n=FP8_WGMMA_MAX_BLOCK_N, num_st
 
 
 NUM_SMS = 132            # H100 SXM and H200
-
 # Rows per group up to which a launch whose WGMMA tiles would leave SMs idle runs the warp
 # kernels' 8-row tiles instead (each weight block then read by up to 16 tiles, through L2) --
 # the FP8 warp kernels only: "mma_sync" converts every weight byte to bf16 again for each of
