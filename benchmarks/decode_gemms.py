@@ -294,8 +294,9 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="markdown table path")
     p.add_argument("--tiny", action="store_true", help="dry run on CPU (nothing launched)")
     p.add_argument("--ncu", action="store_true",
-                   help="the model's config only, three untimed executions (for Nsight "
-                        "Compute: run_on_device.sh gemm_ncu)")
+                   help="one variant only (--ncu-index; the model's config by default), "
+                        "three untimed executions (for Nsight Compute: run_on_device.sh "
+                        "gemm_ncu)")
     p.add_argument("--token-stages", default="",
                    help="also the model's config with these token stages (comma-separated)")
     p.add_argument("--ncu-index", type=int, default=0,

@@ -88,8 +88,9 @@ def main():
         ns = CTAS_PER_SM * block_bytes / (PEAK_TBPS * 1e12 / SMS) * 1e9
         slots_per_warp = ns * a.clock_ghz * SCHEDULERS / (CTAS_PER_SM * 4)
         print(f"{name}: {config.algorithm}, split {config.split_k}, {config.num_stages} stages, "
-              f"token codes {config.token_codes}, row blocks {config.row_blocks}: {len(body)} instructions per warp and "
-              f"K block of {BLOCK_K}; issue slots at the HBM rate {slots_per_warp:.0f} "
+              f"token codes {config.token_codes}, row blocks {config.row_blocks}: "
+              f"{len(body)} instructions per warp and K block of {BLOCK_K}; issue slots at "
+              f"the HBM rate {slots_per_warp:.0f} "
               f"({len(body) / slots_per_warp:.2f}x)")
         print("  " + ", ".join(f"{op} {count}" for op, count in mix.most_common(16)))
 
