@@ -10,7 +10,12 @@ cycle each, the SM's share of ``timing.PEAK_TBPS`` for the K block's weight byte
 
 PTX is not SASS (ptxas fuses and expands some), and the count is static: a branch that
 some warps skip (the token quantisation of warps without a tile row) counts in full. So the
-counts estimate; no GPU needed.
+counts estimate; no GPU needed. Where a ``ptxas`` that takes the PTX is on the PATH, each
+launch also gets its registers and the CTAs an SM keeps resident (by registers, shared
+memory and warps): fewer instructions per byte bought with registers can cost more in
+latency hiding than they save (two row blocks per CTA: docs/performance.md, thirty-sixth
+session). The instructions outside the loop (prologue, split sums, epilogue; static too)
+show the per-CTA share.
 """
 from __future__ import annotations
 
@@ -20,7 +25,10 @@ import dataclasses
 import importlib
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 os.environ.setdefault("CUTE_DSL_KEEP", "ptx")           # the PTX text in the artifacts
@@ -35,6 +43,12 @@ from timing import PEAK_TBPS  # noqa: E402
 
 EXPERTS, TOP_K, DIM, INTER = 256, 6, 4096, 2048        # Flash's routed experts
 SMS, SCHEDULERS, CTAS_PER_SM = support.NUM_SMS, 4, 2
+# sm_90 per SM: registers, warps, shared memory for CTAs (each also reserves 1 KiB).
+REGISTERS_PER_SM, WARPS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 64, 228 * 1024, 1024
+THREADS = 128                                          # the warp kernels' CTA
+
+
+SKIP = ("//", "$", "{", "}", ".reg", ".pragma")        # not instructions
 
 
 def loop_body(ptx: str) -> list[str]:
@@ -46,8 +60,41 @@ def loop_body(ptx: str) -> list[str]:
             if re.search(r"\bbra", l) and (m := re.search(r"(\$L\w+)", l))
             and m.group(1) in labels and labels[m.group(1)] < i]
     start, end = max(back, key=lambda span: span[1] - span[0])
-    skip = ("//", "$", "{", "}", ".reg", ".pragma")
-    return [l.strip() for l in lines[start:end + 1] if l.strip() and not l.strip().startswith(skip)]
+    return [l.strip() for l in lines[start:end + 1] if l.strip() and not l.strip().startswith(SKIP)]
+
+
+def kernel_instructions(ptx: str) -> int:
+    """The instructions of the PTX's kernel entry (its body between the braces)."""
+    body = ptx[ptx.index(".entry"):]
+    body = body[body.index("{") + 1:body.rindex("}")]
+    return sum(1 for l in body.splitlines()
+               if l.strip() and not l.strip().startswith(SKIP + (".", ")", "(")))
+
+
+def ptxas_registers(ptx: str) -> int | None:
+    """Registers per thread that ``ptxas -arch=sm_90a`` gives the kernel; None without a
+    ptxas on the PATH that assembles it (the PTX's ISA version is lowered to 9.0, as the
+    tests' ``ptxas_log`` does: the DSL stamps a newer one on the same instructions)."""
+    if shutil.which("ptxas") is None:
+        return None
+    text = re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, flags=re.M)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(text)
+        out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", src, "-o",
+                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
+    found = re.search(r"Used (\d+) registers", out.stdout + out.stderr)
+    return int(found.group(1)) if out.returncode == 0 and found else None
+
+
+def resident_ctas(registers: int, smem_bytes: int) -> dict[str, int]:
+    """CTAs of ``THREADS`` threads an SM keeps at once, by each limit and overall
+    (registers are allocated in 8s per thread)."""
+    limits = {"registers": REGISTERS_PER_SM // (-(-registers // 8) * 8 * THREADS),
+              "shared memory": SMEM_PER_SM // (smem_bytes + SMEM_RESERVED),
+              "warps": WARPS_PER_SM // (THREADS // 32)}
+    return {"resident": min(limits.values()), **limits}
 
 
 def opcode(line: str) -> str:
@@ -93,6 +140,18 @@ def main():
               f"the HBM rate {slots_per_warp:.0f} "
               f"({len(body) / slots_per_warp:.2f}x)")
         print("  " + ", ".join(f"{op} {count}" for op, count in mix.most_common(16)))
+        smem = config.smem_bytes("fp4", gated)
+        outside = kernel_instructions(ptx) - len(body)
+        registers = ptxas_registers(ptx)
+        if registers is None:
+            print(f"  outside the loop {outside} instructions; shared memory "
+                  f"{smem / 1024:.1f} KiB (no ptxas here: registers not counted)")
+        else:
+            ctas = resident_ctas(registers, smem)
+            print(f"  outside the loop {outside} instructions; {registers} registers, "
+                  f"{smem / 1024:.1f} KiB shared: {ctas['resident']} resident CTAs per SM "
+                  f"(by registers {ctas['registers']}, shared memory "
+                  f"{ctas['shared memory']}, warps {ctas['warps']})")
 
 
 if __name__ == "__main__":

@@ -42,10 +42,31 @@ def test_the_longest_backward_branch_is_the_loop():
         "add": 1, "ld": 1, "shl": 1, "and": 1, "setp": 1, "bra": 2}
 
 
+def test_kernel_instructions_count_the_entry_body():
+    assert mix.kernel_instructions(PTX) == 9         # mov, add, ld, shl, and, setp, 2 bra, ret
+
+
+@pytest.mark.parametrize("registers, smem, want", [
+    (62, 20 * 1024, dict(resident=8, registers=8, warps=16)),   # the routed w2 at T = 8
+    (77, 32 * 1024, dict(resident=6, registers=6, warps=16)),   # ... on two row blocks
+    (40, 100 * 1024, dict(resident=2, registers=12, warps=16))])
+def test_resident_ctas_take_the_tightest_limit(registers, smem, want):
+    ctas = mix.resident_ctas(registers, smem)
+    assert {k: ctas[k] for k in want} == want
+    assert ctas["resident"] == min(ctas["registers"], ctas["shared memory"], ctas["warps"])
+
+
 def test_routed_launches_have_a_k_loop(capsys):
     sys.argv = ["loop_instruction_mix.py", "--tokens", "8"]
     mix.main()
-    lines = [l for l in capsys.readouterr().out.splitlines() if "per warp and K block" in l]
+    out = capsys.readouterr().out.splitlines()
+    lines = [l for l in out if "per warp and K block" in l]
     assert [l.split(":")[0] for l in lines] == ["w1/w3", "w2"]
+    # Each launch: its code outside the loop, and its residency where ptxas is present.
+    extra = [l for l in out if l.strip().startswith("outside the loop")]
+    assert len(extra) == 2
+    for l in extra:
+        assert 0 < int(l.split()[3]) < 5000
+        assert "resident CTAs per SM" in l or "registers not counted" in l
     counts = [int(l.split("token codes ")[1].split(": ")[1].split()[0]) for l in lines]
     assert all(100 < c < 2000 for c in counts)       # a K block's conversion and MMAs, once
