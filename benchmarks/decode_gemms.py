@@ -302,6 +302,10 @@ def main(argv=None):
     p.add_argument("--ncu-index", type=int, default=0,
                    help="with --ncu: the variant to run (0: the model's config)")
     args = p.parse_args(argv)
+    if args.ncu_index and not args.ncu:
+        raise SystemExit("decode_gemms.py: --ncu-index picks the variant --ncu runs; give --ncu")
+    # --ncu: the one variant profiled; else all of them.
+    profiled = slice(args.ncu_index, args.ncu_index + 1) if args.ncu else slice(None)
     cfg = Config.tiny(quantized=True) if args.tiny else Config.flash(quantized=True)
     shapes = gemm_shapes(cfg)
     names = list(shapes) if args.gemms == "all" else args.gemms.split(",")
@@ -348,7 +352,7 @@ def main(argv=None):
                     tuple(a for a in args.prefill_algorithms.split(",") if a),
                     args.row_blocks,
                     tuple(int(v) for v in args.token_stages.split(",") if v))[
-                        args.ncu_index:args.ncu_index + 1 if args.ncu else None]:
+                        profiled]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
                           "and later variants not run", flush=True)

@@ -25,8 +25,6 @@ import dataclasses
 import importlib
 import os
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -38,7 +36,7 @@ importlib.import_module("dsv4_jax.ffi.cute_call")     # pins the arch before cut
 from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config, use_row_tiles  # noqa: E402
 from dsv4_jax.kernels import grouped_gemm_config as support  # noqa: E402
 from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, ROW_BYTES  # noqa: E402
-from grouped_gemm_compile import compile_variant  # noqa: E402
+from grouped_gemm_compile import compile_variant, run_ptxas  # noqa: E402
 from timing import PEAK_TBPS  # noqa: E402
 
 EXPERTS, TOP_K, DIM, INTER = 256, 6, 4096, 2048        # Flash's routed experts
@@ -73,19 +71,14 @@ def kernel_instructions(ptx: str) -> int:
 
 def ptxas_registers(ptx: str) -> int | None:
     """Registers per thread that ``ptxas -arch=sm_90a`` gives the kernel; None without a
-    ptxas on the PATH that assembles it (the PTX's ISA version is lowered to 9.0, as the
-    tests' ``ptxas_log`` does: the DSL stamps a newer one on the same instructions)."""
-    if shutil.which("ptxas") is None:
-        return None
-    text = re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, flags=re.M)
+    ptxas on the PATH that assembles it (``grouped_gemm_compile.run_ptxas``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(text)
-        out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", src, "-o",
-                              os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True)
-    found = re.search(r"Used (\d+) registers", out.stdout + out.stderr)
-    return int(found.group(1)) if out.returncode == 0 and found else None
+        result = run_ptxas(ptx, tmp)
+    if result is None:
+        return None
+    code, log = result
+    found = re.search(r"Used (\d+) registers", log)
+    return int(found.group(1)) if code == 0 and found else None
 
 
 def resident_ctas(registers: int, smem_bytes: int) -> dict[str, int]:

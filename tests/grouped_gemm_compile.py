@@ -1,6 +1,7 @@
 """Shared by the grouped-GEMM kernel tests: compiling a kernel configuration for sm_90a the way
 ``cutlass_call`` does on the device, assembling it with ``ptxas``, and the PTX ``prmt``
 instruction replayed in Python."""
+import os
 import re
 import shutil
 import subprocess
@@ -65,19 +66,28 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}))
 
 
+def run_ptxas(ptx: str, folder) -> tuple[int, str] | None:
+    """``ptxas -arch=sm_90a -v`` on ``ptx`` in ``folder``: ``(return code, log)``, or None where
+    no ptxas is on the PATH. The PTX's ISA version is lowered to 9.0 first: the local CUDA
+    13.0 ptxas takes ISA <= 9.0, the DSL stamps 9.4 on the same instructions."""
+    if shutil.which("ptxas") is None:
+        return None
+    src = os.path.join(folder, "kernel.ptx")
+    with open(src, "w") as f:
+        f.write(re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx, flags=re.M))
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", src, "-o",
+                          os.path.join(folder, "kernel.cubin")], capture_output=True, text=True)
+    return out.returncode, out.stdout + out.stderr
+
+
 def ptxas_log(tmp_path, compiled) -> str:
     """``ptxas -v`` on a compiled kernel's PTX: its log (skips when ptxas is absent or older
-    than the PTX; the local CUDA 13.0 ptxas takes ISA <= 9.0, the DSL stamps 9.4 on the same
-    instructions)."""
-    if shutil.which("ptxas") is None:
+    than the PTX)."""
+    result = run_ptxas(compiled.artifacts.PTX, str(tmp_path))
+    if result is None:
         pytest.skip("no ptxas on this machine")
-    ptx = re.sub(r"^\.version \d+\.\d+", ".version 9.0", compiled.artifacts.PTX, flags=re.M)
-    src = tmp_path / "kernel.ptx"
-    src.write_text(ptx)
-    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(src), "-o",
-                          str(tmp_path / "kernel.cubin")], capture_output=True, text=True)
-    log = out.stdout + out.stderr
-    if out.returncode and "Unsupported .version" in log:
+    code, log = result
+    if code and "Unsupported .version" in log:
         pytest.skip(f"this ptxas is older than the PTX: {log.strip()[:200]}")
-    assert out.returncode == 0, log
+    assert code == 0, log
     return log
