@@ -50,6 +50,23 @@ def warp_scale_buffers(num_stages: int, group: int = 1) -> int:
     return (num_stages - 2) // group + 2
 
 
+def ring_slot(index, count: int):
+    """``index % count`` for a non-negative ``index`` (an int or a kernel integer) and a static
+    ``count``: a mask where ``count`` is a power of two (a signed kernel integer's ``%`` pays
+    a sign fix-up of four instructions that a mask does not)."""
+    if count & (count - 1) == 0:
+        return index & (count - 1)
+    return index % count
+
+
+def ring_group(index, size: int):
+    """``index // size`` for a non-negative ``index`` and a static ``size``: a shift where
+    ``size`` is a power of two (no sign fix-up, as ``ring_slot``)."""
+    if size & (size - 1) == 0:
+        return index >> (size.bit_length() - 1)
+    return index // size
+
+
 def warp_token_unit(row, unit):
     """"mma_sync": where 16-byte unit ``unit`` (0-15) of token row ``row`` sits in a token
     stage (row r at 256 r bytes): XOR-swizzled so that the reads of one MMA step -- lane

@@ -61,7 +61,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from .grouped_gemm_config import GroupedGemmSm90Config
 from .grouped_gemm_layout import (BLOCK_K, FP8_TOKEN_STAGE_BYTES, WARP_COUNT, WARP_ROWS,
                                   WARP_TOKENS, fp8_warp_smem_bytes, fp8_warp_unit,
-                                  warp_copy_unit)
+                                  ring_slot, warp_copy_unit)
 from .grouped_gemm_sm90_convert import (act_scale_bits, bf16x8_abs_max_bits, bf16x8_rms_normed,
                                bf16x8_sum_squares, bf16x8_to_e4m3x8, byte_perm, e8m0_f32,
                                fp4x8_to_e4m3x8, load_global_words, mma_m16n8k32_e4m3)
@@ -101,7 +101,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
 
     def token_stage(self, base, kb):
         """The codes and scales of K block ``kb``: one of ``token_stages`` stages."""
-        return base + (kb % self.token_stages) * FP8_TOKEN_STAGE_BYTES
+        return base + ring_slot(kb, self.token_stages) * FP8_TOKEN_STAGE_BYTES
 
     @cute.jit
     def first_tokens(self, mX: cute.Tensor, mXs: cute.Tensor, row0: Int32, rows: Int32,
@@ -297,7 +297,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         the block's place in its scale group."""
         g, t = lane // 4, lane % 4
         scales = self.scale_buffer(base, kb, warp)
-        in_group = kb % self.scale_group
+        in_group = ring_slot(kb, self.scale_group)
         tokens = self.token_stage(base, kb)
         token_scales = _load_f32x2(tokens + WARP_TOKENS * BLOCK_K + 8 * t)
         scale_words = []
@@ -347,7 +347,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         # Ablation: scales copied only for the first stages (stale scales are applied).
         load_scales = kb < self.num_stages if const_expr(self.leaves_out("no_scale_load")) \
             else True
-        if kb % self.scale_group == 0:
+        if ring_slot(kb, self.scale_group) == 0:
             if load_scales:
                 self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
                                   self.scale_buffer(base, kb, warp), lane)

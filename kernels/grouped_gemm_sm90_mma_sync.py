@@ -64,7 +64,8 @@ from cutlass.cute.nvgpu import cpasync
 from .grouped_gemm_config import GroupedGemmSm90Config, split_k_blocks
 from .grouped_gemm_layout import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                                   WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
-                                  fp8_row_copy, mma_sync_fp8_unit, warp_copy_reader,
+                                  fp8_row_copy, mma_sync_fp8_unit, ring_group, ring_slot,
+                                  warp_copy_reader,
                                   warp_copy_unit, warp_scale_buffers, warp_smem_bytes,
                                   warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
@@ -313,15 +314,16 @@ class GroupedGemmMmaSyncSm90:
         return kb0, kb1
 
     def token_stage(self, base, kb):
-        return base + (kb % self.num_stages) * WARP_TOKEN_STAGE_BYTES
+        return base + ring_slot(kb, self.num_stages) * WARP_TOKEN_STAGE_BYTES
 
     def weight_stage(self, base, kb, warp):
         return (base + self.weights_offset
-                + ((kb % self.num_stages) * WARP_COUNT + warp) * self.warp_stage_bytes)
+                + (ring_slot(kb, self.num_stages) * WARP_COUNT + warp) * self.warp_stage_bytes)
 
     def scale_buffer(self, base, kb, warp):
         return (base + self.scales_offset
-                + (warp * self.max_scale_buffers + (kb // self.scale_group) % self.scale_buffers)
+                + (warp * self.max_scale_buffers
+                   + ring_slot(ring_group(kb, self.scale_group), self.scale_buffers))
                 * WARP_SCALE_BUFFER_BYTES)
 
     @cute.jit
@@ -357,7 +359,7 @@ class GroupedGemmMmaSyncSm90:
         if load_tokens:
             copy_bytes(copy_16, 16, src, dst)
         if const_expr(self.weight_format != "bf16"):
-            if kb % self.scale_group == 0:
+            if ring_slot(kb, self.scale_group) == 0:
                 if load_scales:
                     self.issue_scales(mSa, mSb, n_out, expert, m_tile, w_row, kb, num_k,
                                       self.scale_buffer(base, kb, warp), lane)
@@ -445,7 +447,7 @@ class GroupedGemmMmaSyncSm90:
         g, t = lane // 4, lane % 4
         stage = self.weight_stage(base, kb, warp)
         scales = self.scale_buffer(base, kb, warp)
-        in_group = kb % self.scale_group
+        in_group = ring_slot(kb, self.scale_group)
         words = []            # per (matrix, row half): the lane's weight words
         mults = []            # per (matrix, row half): bf16x2 scale multiplier
         for mat in cutlass.range_constexpr(self.mats):

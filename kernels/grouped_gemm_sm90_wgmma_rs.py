@@ -81,6 +81,9 @@ class GroupedGemmWgmmaRsSm90(GroupedGemmMmaFp8Sm90):
         stage, tokens, sx, scale_words, in_group = self.block_inputs(base, kb, warp, lane)
         block = cute.make_rmem_tensor((4 * self.mats,), Float32)
         block.fill(0.0)
+        # One descriptor per K block; step i's is it plus the step's offset (its address
+        # field counts 16 bytes: no carry out of it, shared memory is < 2^18 bytes).
+        desc = token_descriptor(tokens)
         # Step i's conversions and MMAs run while step i - 1's MMAs finish; its results are
         # read after a wait that leaves only step i's in flight.
         pending = []
@@ -88,7 +91,8 @@ class GroupedGemmWgmmaRsSm90(GroupedGemmMmaFp8Sm90):
             issued = []
             if const_expr(i < STEPS):
                 frags = [self.a_registers(stage, mat, i, g, t) for mat in range(self.mats)]
-                issued = self.multiply(frags, tokens + i * STEP_BYTES)
+                issued = self.multiply(frags, tokens + i * STEP_BYTES,
+                                       desc + (i * STEP_BYTES >> 4))
             if const_expr(i > 0):
                 if const_expr(not self.leaves_out("no_mma")):
                     cute.nvgpu.warpgroup.wait_group(1 if i < STEPS else 0)
@@ -113,15 +117,14 @@ class GroupedGemmWgmmaRsSm90(GroupedGemmMmaFp8Sm90):
                 for j in range(4):
                     block[4 * mat + j] = block[4 * mat + j] + d[j]
 
-    def multiply(self, frags, tokens: Int32):
+    def multiply(self, frags, tokens: Int32, desc: Int64):
         """One step's MMAs, a matrix each: A registers ``frags[mat]``, B the step's token
-        operand at ``tokens``; issued after a ``wgmma.fence`` that the A registers pass
-        through (their conversion stays before it), each result in fresh f32 registers,
-        read only after the warpgroup's wait."""
+        operand at ``tokens`` (descriptor ``desc``); issued after a ``wgmma.fence`` that the
+        A registers pass through (their conversion stays before it), each result in fresh
+        f32 registers, read only after the warpgroup's wait."""
         if const_expr(self.leaves_out("no_mma")):
             return [[(a[j] ^ tokens).to(Float32) for j in range(4)] for a in frags]
         words = wgmma_fence([w for a in frags for w in a])
-        desc = token_descriptor(tokens)
         parts = [wgmma_m64n8k32_e4m3_rs(words[4 * m:4 * m + 4], desc)
                  for m in range(len(frags))]
         cute.nvgpu.warpgroup.commit_group()

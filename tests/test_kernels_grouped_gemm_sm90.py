@@ -284,6 +284,15 @@ def test_mma_sync_scale_buffers_outlive_their_k_blocks(num_stages, num_k):
             assert holder[kb // group % buffers] == kb // group    # compute(kb) reads it
 
 
+def test_ring_slots_and_groups_are_the_modulo_and_quotient_they_replace():
+    """The warp kernels' ring positions (``ring_slot``, ``ring_group``: masks and shifts for
+    powers of two) equal ``%`` and ``//`` on every non-negative K block they see."""
+    for count in range(1, 10):
+        for index in range(200):
+            assert layout.ring_slot(index, count) == index % count
+            assert layout.ring_group(index, count) == index // count
+
+
 # ----------------------------------------------------------- "mma_fp8": the lane mapping
 def _fp4x8_to_e4m3x8(word):
     """numpy replay of ``fp4x8_to_e4m3x8`` (the same shifts and masks)."""
