@@ -47,8 +47,10 @@ Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8. Ab
 (benchmarks only, outputs wrong by design): no_load, no_scale_load (the weights' scales
 copied for the first stages only), no_dequant (FP4 codes multiplied as they are), no_mma
 (conversion kept, the MMAs replaced by one integer op), no_quant (only the first K block's
-token rows loaded and quantised), and mma_sync's
-no_reduce / no_cluster (a split's sums not added; the cluster launch kept / not).
+token rows loaded and quantised), and mma_sync's no_reduce / no_cluster (a split's sums not
+added; the cluster launch kept / not), no_barrier (each K block's CTA barrier left out: warps
+race the copies) and blocked_weights (FP4 rows read where a layout of contiguous 64-row x
+K-block blocks would hold them: that layout's access pattern, wrong values).
 Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
 cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
 """

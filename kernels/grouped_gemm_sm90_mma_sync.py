@@ -281,7 +281,10 @@ class GroupedGemmMmaSyncSm90:
         tokens = self.first_tokens(mX, mXs, row0, rows, kb0, kb1, base, tidx)
         for kb in cutlass.range(kb0, kb1, unroll=1):
             cute.arch.cp_async_wait_group(self.num_stages - 2)
-            cute.arch.barrier()
+            # Ablation "no_barrier": the block's CTA barrier left out (warps then race the
+            # copies into stages others still read).
+            if const_expr(not self.leaves_out("no_barrier")):
+                cute.arch.barrier()
             ahead = kb + self.num_stages - 1
             if ahead < kb1:
                 self.issue(mX, mXs, mWa, mSa, mWb, mSb, expert, m_tile, w_row, row0,
@@ -391,6 +394,14 @@ class GroupedGemmMmaSyncSm90:
                     for c in cutlass.range_constexpr(self.chunks):
                         src = w_base + row * w_stride + (
                             kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
+                        if const_expr(self.leaves_out("blocked_weights")):
+                            # Ablation: the bytes a weight laid out in contiguous blocks of
+                            # 64 rows x one K block would put here (wrong values, the
+                            # blocked layout's access pattern).
+                            block = (row // BLOCK_M) * (k_in // BLOCK_K) + kb
+                            src = w_base + block * (BLOCK_M * self.row_bytes) + (
+                                (row % BLOCK_M) * self.row_bytes
+                                + warp_copy_unit(t, c) * 16)
                         copy_bytes(copy_16, 16, src,
                                    self.copy_slot(stage, mat, half, c, lane))
 
