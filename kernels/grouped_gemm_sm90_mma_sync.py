@@ -65,9 +65,8 @@ from .grouped_gemm_config import GroupedGemmSm90Config, split_k_blocks
 from .grouped_gemm_layout import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_ROWS,
                                   WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
                                   fp8_row_copy, mma_sync_fp8_unit, ring_group, ring_slot,
-                                  warp_copy_reader,
-                                  warp_copy_unit, warp_scale_buffers, warp_smem_bytes,
-                                  warp_token_unit, warp_weight_slots)
+                                  warp_copy_reader, warp_copy_unit, warp_scale_buffers,
+                                  warp_smem_bytes, warp_token_unit, warp_weight_slots)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
 from .sm90_primitives import launch, load_cluster_f32x4, store_shared_f32x4
