@@ -6,7 +6,7 @@ against the issue slots a warp has at the HBM rate (4 schedulers per SM, one ins
 cycle each, the SM's share of ``timing.PEAK_TBPS`` for the K block's weight bytes): above
 1, the loop cannot keep up with HBM however its latencies overlap (docs/performance.md).
 
-    python3 benchmarks/loop_instruction_mix.py [--tokens 8] [--clock-ghz 1.755]
+    python3 benchmarks/loop_instruction_mix.py [--tokens 8] [--clock-ghz 1.755] [--tbps 4.3]
 
 PTX is not SASS (ptxas fuses and expands some), and the count is static: a branch that
 some warps skip (the token quantisation of warps without a tile row) counts in full. So the
@@ -105,6 +105,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8)
     p.add_argument("--clock-ghz", type=float, default=1.755)
+    p.add_argument("--tbps", type=float, default=PEAK_TBPS,
+                   help="the HBM rate the issue slots are priced at (default: the H200's; "
+                        "an H100's HBM3 is ~3.35)")
     p.add_argument("--row-blocks", type=int, default=None,
                    help="64-row blocks per CTA of the ungated launch (default: as resolved)")
     a = p.parse_args()
@@ -125,7 +128,7 @@ def main():
         # One K block of a CTA: 64 weight rows per matrix and row block (plus a 4-byte scale
         # word each).
         block_bytes = (2 if gated else config.row_blocks) * 64 * (ROW_BYTES["fp4"] + 4)
-        ns = CTAS_PER_SM * block_bytes / (PEAK_TBPS * 1e12 / SMS) * 1e9
+        ns = CTAS_PER_SM * block_bytes / (a.tbps * 1e12 / SMS) * 1e9
         slots_per_warp = ns * a.clock_ghz * SCHEDULERS / (CTAS_PER_SM * 4)
         print(f"{name}: {config.algorithm}, split {config.split_k}, {config.num_stages} stages, "
               f"token codes {config.token_codes}, row blocks {config.row_blocks}: "
