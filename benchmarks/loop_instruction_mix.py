@@ -4,8 +4,8 @@ the device compiles it, and the PTX instructions of its K loop's body -- one K b
 iteration, inside inline assembly too -- are counted by opcode. Per warp and K block,
 against the issue slots a warp has at the HBM rate (4 schedulers per SM, one instruction a
 cycle each, the SM's share of ``--tbps``, ``timing.PEAK_TBPS`` by default, for the K
-block's weight bytes): above
-1, the loop cannot keep up with HBM however its latencies overlap (docs/performance.md).
+block's weight bytes): above 1, the loop cannot keep up with HBM however its latencies
+overlap (docs/performance.md).
 
     python3 benchmarks/loop_instruction_mix.py [--tokens 8] [--clock-ghz 1.755] [--tbps 4.3]
 
