@@ -55,7 +55,8 @@ from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config, use_row_tiles
 from dsv4_jax.ffi.moe_sm90 import with_token_codes
 from dsv4_jax.ffi.policy import GroupedGemmPolicy
-from dsv4_jax.kernels.grouped_gemm_config import KERNELS, MAX_SPLIT_K, SMEM_BYTES
+from dsv4_jax.kernels.grouped_gemm_config import (INTERLEAVED_SPLIT_ALGORITHMS, KERNELS,
+                                                  MAX_SPLIT_K, SMEM_BYTES, interleaves)
 from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, stream_batch_blocks, warp_scale_group
 from step_figures import trace_device_ops
 from timing import PEAK_TBPS, back_to_back_seconds, median_seconds
@@ -108,7 +109,8 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
              algorithms: tuple[str, ...] = (), base: str = "",
              stages: tuple[int, ...] = STAGES, splits: tuple[int, ...] = SPLITS,
              block_ns: tuple[int, ...] = (), prefill_algorithms: tuple[str, ...] = (),
-             row_blocks: bool = False, token_stages: tuple[int, ...] = ()):
+             row_blocks: bool = False, token_stages: tuple[int, ...] = (),
+             interleaving: bool = False):
     """``[(label, config)]``: the model's config first (``base``: the config under that
     decode algorithm instead), then the config each of ``algorithms`` gets as the policy's
     decode algorithm, the sweep and the ablations (of the first config; True: all the
@@ -120,7 +122,8 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     on the other number of 64-row blocks per CTA (1 or 2; ungated launches of kernels that
     take two, outputs of whole 128-row blocks). ``token_stages``: also the first config with
     each of these token stages (kernels that quantise or copy their tokens: how many K blocks
-    of token rows are loaded ahead)."""
+    of token rows are loaded ahead). ``interleaving``: also the first config with its K
+    split's interleaving (``interleaved_split``) toggled, where the launch may take it."""
     # The routed experts' launches resolve as the MoE op resolves them: with the features of
     # both launches of its call (w1/w3: K = d, N = inter; w2 the reverse), which set their
     # shared K split and stages (ffi/moe_sm90.moe_configs).
@@ -148,6 +151,13 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
         if model.spec.quantizes_tokens and count != model.token_stages:
             out.append((f"token stages {count}",
                         dataclasses.replace(model, token_stages=count)))
+    if interleaving:
+        other = dataclasses.replace(model, interleaved_split=not model.interleaved_split)
+        if other.interleaved_split:
+            other = other if (other.algorithm in INTERLEAVED_SPLIT_ALGORITHMS and all(
+                interleaves(shape.fmt, k, other.split_k) for k in k_ins)) else None
+        if other is not None:
+            out.append((f"interleaved split {other.interleaved_split}", other))
     for algorithm in algorithms:
         other = config(decode_algorithm=algorithm)
         if other not in [c for _, c in out]:
@@ -299,6 +309,8 @@ def main(argv=None):
                         "gemm_ncu)")
     p.add_argument("--token-stages", default="",
                    help="also the model's config with these token stages (comma-separated)")
+    p.add_argument("--interleaved-split", action="store_true",
+                   help="also the model's config with its K split's interleaving toggled")
     p.add_argument("--ncu-index", type=int, default=0,
                    help="with --ncu: the variant to run (0: the model's config)")
     args = p.parse_args(argv)
@@ -351,7 +363,8 @@ def main(argv=None):
                     tuple(int(v) for v in args.block_ns.split(",") if v),
                     tuple(a for a in args.prefill_algorithms.split(",") if a),
                     args.row_blocks,
-                    tuple(int(v) for v in args.token_stages.split(",") if v))[
+                    tuple(int(v) for v in args.token_stages.split(",") if v),
+                    args.interleaved_split)[
                         profiled]:
                 if time.perf_counter() - start > args.budget:
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "

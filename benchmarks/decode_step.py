@@ -88,6 +88,8 @@ VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True},
             "rownorm": {"row_norm_in_kernel": True},
             "rows1": {"row_blocks": 1}, "rows2": {"row_blocks": 2},
             "ts2": {"token_stages": 2}, "ts8": {"token_stages": 8},
+            "interleave": {"interleaved_split": True},
+            "nointerleave": {"interleaved_split": False},
             "routedcodes": {"token_codes": "routed"}}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
@@ -105,7 +107,9 @@ def policy_of(value: str) -> KernelPolicy:
     (``GroupedGemmPolicy.row_norm_in_kernel``); ``/rows1``, ``/rows2``: the ungated decode
     launches on one or two 64-row blocks per CTA (``GroupedGemmPolicy.row_blocks``);
     ``/ts2``, ``/ts8``: every decode launch that quantises its tokens with 2 or 8 token
-    stages (``GroupedGemmPolicy.token_stages``);
+    stages (``GroupedGemmPolicy.token_stages``); ``/interleave``, ``/nointerleave``: the
+    FP4 decode launches that split K with or without interleaved K blocks
+    (``GroupedGemmPolicy.interleaved_split``);
     ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
     mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
     inside the attention op)."""

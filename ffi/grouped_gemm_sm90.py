@@ -75,7 +75,8 @@ def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt
                          prefill_algorithm=policy.prefill_algorithm, fp8_activations=simulate,
                          k_ins=k_ins, n_outs=n_outs, split_k=policy.split_k,
                          pdl=policy.pdl, gated=gated, row_blocks=policy.row_blocks,
-                         token_stages=policy.token_stages)
+                         token_stages=policy.token_stages,
+                         interleaved_split=policy.interleaved_split)
 
 
 def launch_support(config: GroupedGemmSm90Config, fmt: str, x_dtype: str, rows: int,
@@ -240,7 +241,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      token_stride=token_stride, **({"pdl": config.pdl} if config.pdl else {}),
                      **({"token_codes": True} if config.token_codes else {}),
                      **({"row_norm_eps": config.row_norm_eps} if normed else {}),
-                     **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}))
+                     **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}),
+                     **({"interleaved_split": True} if config.interleaved_split else {}))
     return y
 
 

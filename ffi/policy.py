@@ -90,6 +90,10 @@ class GroupedGemmPolicy:
       automatic -- ``grouped_gemm_config.FEW_TILES_TOKEN_STAGES`` for launches of at most
       two row tiles, ``UNSPLIT_TOKEN_STAGES`` for unsplit launches of more rows, 2 for split
       ones --, or that many (2 ... ``MAX_TOKEN_STAGES``) for every such launch.
+    interleaved_split: the decode launches of FP4 weights that split K read interleaved K
+      blocks per CTA (``GroupedGemmSm90Config.interleaved_split``): True (the default) or
+      False (each CTA a contiguous range). Measured in docs/performance.md (thirty-seventh
+      session).
     """
     decode_algorithm: str = DEFAULT_DECODE_ALGORITHM
     prefill_algorithm: str = DEFAULT_PREFILL_ALGORITHM
@@ -100,6 +104,7 @@ class GroupedGemmPolicy:
     row_norm_in_kernel: bool = False
     row_blocks: int = 1
     token_stages: int | None = None
+    interleaved_split: bool = True
 
     def __post_init__(self):
         for name, value, valid in (("decode_algorithm", self.decode_algorithm,
@@ -126,7 +131,7 @@ class GroupedGemmPolicy:
         if self.token_codes not in TOKEN_CODES:
             raise ValueError(f"GroupedGemmPolicy: token_codes must be one of {TOKEN_CODES}, "
                              f"got {self.token_codes!r}")
-        for name in ("pair_linears", "pdl", "row_norm_in_kernel"):
+        for name in ("pair_linears", "pdl", "row_norm_in_kernel", "interleaved_split"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GroupedGemmPolicy: {name} must be a bool, got "
                                 f"{getattr(self, name)!r}")

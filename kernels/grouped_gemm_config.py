@@ -117,6 +117,8 @@ KERNELS = {spec.algorithm: spec for spec in (
                "GroupedGemmWgmmaFp8CoopSm90", "any", True, ("fp4", "fp8"), 128, False,
                ("no_dequant", "no_mma")),
 )}
+# The warp kernels that take ``interleaved_split`` ("mma_fp8_stream" has a loop of its own).
+INTERLEAVED_SPLIT_ALGORITHMS = ("mma_sync", "mma_fp8", "wgmma_rs")
 # The FP8 WGMMA kernels: token codes + scales, an even number of K blocks (two chains per
 # iteration), block_n <= their spec's max_block_n (registers).
 FP8_WGMMA_ALGORITHMS = ("wgmma_fp8", "wgmma_fp8_coop")
@@ -171,6 +173,13 @@ class GroupedGemmSm90Config:
       that the token operand, the K loop and its addresses are paid once for twice the
       weight bytes (fewer instructions per byte, but slower where measured: opt-in,
       docs/performance.md, thirty-sixth session).
+    interleaved_split: a K split's CTA z reads K blocks z, z + split_k, z + 2 split_k, ...
+      instead of one contiguous range (``INTERLEAVED_SPLIT_ALGORITHMS``, FP4 weights, K
+      blocks a multiple of split_k x the scale group): the cluster's CTAs then read the
+      neighbouring 64-byte halves of each FP4 row's 128-byte lines at about the same time,
+      which DRAM serves faster than lines read half by half a K block apart
+      (docs/performance.md, thirty-seventh session). The sums are the same, in the same
+      order per CTA.
     """
     block_n: int = 8
     num_stages: int = 8
@@ -182,6 +191,7 @@ class GroupedGemmSm90Config:
     token_codes: bool = False
     row_norm_eps: float | None = None
     row_blocks: int = 1
+    interleaved_split: bool = False
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -232,6 +242,12 @@ class GroupedGemmSm90Config:
             raise ValueError(f"GroupedGemmSm90Config: row_blocks must be an int in [1, "
                              f"{spec.max_row_blocks}] for {self.algorithm!r}, got "
                              f"{self.row_blocks!r}")
+        if not isinstance(self.interleaved_split, bool) or (
+                self.interleaved_split and self.algorithm not in INTERLEAVED_SPLIT_ALGORITHMS):
+            raise ValueError(f"GroupedGemmSm90Config: interleaved_split must be a bool, and "
+                             f"False unless the algorithm is one of "
+                             f"{INTERLEAVED_SPLIT_ALGORITHMS}; got {self.interleaved_split!r} "
+                             f"with {self.algorithm!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -307,6 +323,10 @@ class GroupedGemmSm90Config:
             return False, (f"row_blocks {self.row_blocks} (ungated launches of output "
                            f"features a multiple of {BLOCK_M * self.row_blocks}; got "
                            f"{n_out}, gated {gated})")
+        if self.interleaved_split and not interleaves(weight_format, k_in, self.split_k):
+            return False, (f"interleaved_split (FP4 weights of K blocks a multiple of split_k "
+                           f"{self.split_k} x the scale group; got {weight_format!r}, input "
+                           f"features {k_in})")
         if self.algorithm in COOP_ALGORITHMS and n_out % COOP_ROWS:
             return False, (f"output features {n_out} (algorithm {self.algorithm!r} needs a "
                            f"multiple of {COOP_ROWS})")
@@ -409,6 +429,16 @@ def whole_group_split(want: int, weight_format: str, k_ins: tuple[int, ...]) -> 
     return -(-groups // per)
 
 
+def interleaves(weight_format: str, k_in: int, split_k: int) -> bool:
+    """Whether a K split of ``split_k`` may interleave its CTAs' K blocks
+    (``GroupedGemmSm90Config.interleaved_split``): FP4 rows (64 bytes per K block, half a
+    line; FP8 rows take whole lines already, and their scale words hold 4 consecutive K
+    blocks), and every split the same whole scale groups."""
+    num_k = k_in // BLOCK_K
+    return (weight_format == "fp4" and split_k > 1 and k_in % BLOCK_K == 0
+            and num_k % (split_k * warp_scale_group(weight_format, num_k)) == 0)
+
+
 def split_k_blocks(num_k: int, split_k: int, scale_group: int) -> int:
     """K blocks per split: ceil(num_k / split_k) rounded up to whole scale groups (a split
     starts a scale group, the unit of the warp kernels' scale copies); the last split may
@@ -489,7 +519,8 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
                   n_outs: tuple[int, ...] = (),
                   split_k: int | None = 1, pdl: bool = False,
                   gated: bool = False, row_blocks: int = 1,
-                  token_stages: int | None = None) -> GroupedGemmSm90Config:
+                  token_stages: int | None = None,
+                  interleaved_split: bool = False) -> GroupedGemmSm90Config:
     """The config of a launch (``gated``: of two matrices and the SwiGLU) in a call whose
     launches have input features ``k_ins`` and outputs ``n_outs`` (the op checks support
     with it too). Every launch of a call gets the same tiles; with
@@ -520,7 +551,9 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
     ungated warp-kernel launch whose kernel takes them and whose ``n_outs`` are whole such
     blocks (elsewhere 1). ``token_stages``: the token stages of a decode launch of a kernel
     that quantises (or copies) its tokens (None: ``FEW_TILES_TOKEN_STAGES`` for at most 2
-    tiles of rows, ``UNSPLIT_TOKEN_STAGES`` for more rows unsplit, 2 for more rows split)."""
+    tiles of rows, ``UNSPLIT_TOKEN_STAGES`` for more rows unsplit, 2 for more rows split).
+    ``interleaved_split``: a decode launch that splits K interleaves its CTAs' K blocks
+    where its kernel and every one of ``k_ins`` allow (``interleaves``)."""
     for name, value, allowed in (("decode_algorithm", decode_algorithm, DECODE_ALGORITHMS),
                                  ("prefill_algorithm", prefill_algorithm, PREFILL_ALGORITHMS)):
         if value not in allowed:
@@ -567,6 +600,10 @@ def choose_config(num_rows: int, num_groups: int, weight_format: str, *,
         if (row_blocks > 1 and not gated and row_blocks <= config.spec.max_row_blocks
                 and n_outs and not any(n % (BLOCK_M * row_blocks) for n in n_outs)):
             config = dataclasses.replace(config, row_blocks=row_blocks)
+        if (interleaved_split and config.algorithm in INTERLEAVED_SPLIT_ALGORITHMS
+                and k_ins and all(interleaves(weight_format, k, config.split_k)
+                                  for k in k_ins)):
+            config = dataclasses.replace(config, interleaved_split=True)
         return dataclasses.replace(config, pdl="start") if pdl else config
     algorithm = decode_algorithm if decode else prefill_algorithm
     if algorithm in COOP_ALGORITHMS and (weight_format not in KERNELS[algorithm].weight_formats

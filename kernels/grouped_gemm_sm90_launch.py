@@ -41,7 +41,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           token_stride: cutlass.Constexpr = 1, pdl: cutlass.Constexpr = "",
                           token_codes: cutlass.Constexpr = False,
                           row_norm_eps: cutlass.Constexpr = None,
-                          row_blocks: cutlass.Constexpr = 1):
+                          row_blocks: cutlass.Constexpr = 1,
+                          interleaved_split: cutlass.Constexpr = False):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -59,12 +60,15 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     kernel copies instead of quantising bf16 rows. ``row_norm_eps`` (those two): ``x`` is
     normalised first (``GroupedGemmSm90Config.row_norm_eps``), ``x_scale`` is the norm's bf16
     weight [K]. ``row_blocks`` (those two, ungated): 64-row output blocks per CTA
-    (``GroupedGemmSm90Config.row_blocks``)."""
+    (``GroupedGemmSm90Config.row_blocks``). ``interleaved_split`` (the warp kernels but
+    "mma_fp8_stream"): a K split's CTAs read interleaved K blocks
+    (``GroupedGemmSm90Config.interleaved_split``)."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation,
                                    token_stages=token_stages, pdl=pdl,
                                    token_codes=bool(token_codes),
-                                   row_norm_eps=row_norm_eps, row_blocks=row_blocks)
+                                   row_norm_eps=row_norm_eps, row_blocks=row_blocks,
+                                   interleaved_split=bool(interleaved_split))
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
     # Only the warp kernels take pairs, only those that quantise their tokens a stride.
     extra = ({"paired": True} if paired else {}) | (

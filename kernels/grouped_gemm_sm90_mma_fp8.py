@@ -249,6 +249,7 @@ class GroupedGemmMmaFp8Sm90(GroupedGemmMmaSyncSm90):
         two words of e4m3 codes and the block's f32 scale bits (twice); row norm: then the
         norm weight's 4 words of the same columns (``mXs``, bf16 [K])."""
         k_in = mX.shape[1]
+        kb = self.k_read(kb, k_in // BLOCK_K)
         if const_expr(self.token_stride != 1):
             x_row = x_row // self.token_stride
         if const_expr(self.token_codes):

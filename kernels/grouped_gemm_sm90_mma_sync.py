@@ -106,6 +106,7 @@ class GroupedGemmMmaSyncSm90:
         self.leaves_out = config.leaves_out
         self.split_k = config.split_k
         self.pdl = config.pdl
+        self.interleaved_split = config.interleaved_split
         self.row_bytes = ROW_BYTES[weight_format]
         self.lane_bytes = self.row_bytes // 4          # per row and K block, per lane
         self.chunks = self.lane_bytes // 16            # 16 B cp.async per row
@@ -315,6 +316,16 @@ class GroupedGemmMmaSyncSm90:
             kb1 = num_k if num_k < kb0 + per else kb0 + per
         return kb0, kb1
 
+    @cute.jit
+    def k_read(self, kb: Int32, num_k: Int32):
+        """The K block whose bytes the loop's block ``kb`` reads: ``kb`` itself, or with
+        ``interleaved_split`` split z's j-th block ``z + split_k j`` (its range [z per,
+        (z + 1) per) then numbers the blocks it computes; per = num_k / split_k)."""
+        if const_expr(not self.interleaved_split):
+            return kb
+        _, _, z = cute.arch.block_idx()
+        return kb * self.split_k - z * (num_k - 1)
+
     def token_stage(self, base, kb):
         return base + ring_slot(kb, self.num_stages) * WARP_TOKEN_STAGE_BYTES
 
@@ -356,7 +367,8 @@ class GroupedGemmMmaSyncSm90:
         x_row = row0 + r
         if r >= rows:
             x_row = row0
-        src = mX.iterator.toint() + (x_row.to(Int64) * k_in + kb * BLOCK_K + 8 * unit) * 2
+        src = mX.iterator.toint() + (x_row.to(Int64) * k_in
+                                     + self.k_read(kb, num_k) * BLOCK_K + 8 * unit) * 2
         dst = self.token_stage(base, kb) + r * (BLOCK_K * 2) + warp_token_unit(r, unit) * 16
         if load_tokens:
             copy_bytes(copy_16, 16, src, dst)
@@ -375,6 +387,7 @@ class GroupedGemmMmaSyncSm90:
         matrix (whole sectors per copy instruction) to ``copy_slot``."""
         g, t = lane // 4, lane % 4
         w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
+        kb_read = self.k_read(kb, k_in // BLOCK_K)
         # 16-byte copies bypass L1 (.cg): no SM reads a weight byte twice.
         copy_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
@@ -385,14 +398,14 @@ class GroupedGemmMmaSyncSm90:
                 for i in cutlass.range_constexpr(WARP_ROWS // 4):
                     r, unit = fp8_row_copy(lane, i)
                     src = w_base + (w_row + r).to(Int64) * w_stride + (
-                        kb * self.row_bytes + unit * 16).to(Int64)
+                        kb_read * self.row_bytes + unit * 16).to(Int64)
                     copy_bytes(copy_16, 16, src, self.fp8_row_slot(stage, mat, r, unit))
             else:
                 for half in cutlass.range_constexpr(2):             # rows g and g + 8
                     row = (w_row + g + 8 * half).to(Int64)
                     for c in cutlass.range_constexpr(self.chunks):
                         src = w_base + row * w_stride + (
-                            kb * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
+                            kb_read * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
                         if const_expr(self.leaves_out("blocked_weights")):
                             # Ablation: the bytes a weight laid out in contiguous blocks of
                             # 64 rows x one K block would put here (wrong values, the
@@ -442,7 +455,15 @@ class GroupedGemmMmaSyncSm90:
             s_base = mSa.iterator.toint()
             if mat == 1:
                 s_base = mSb.iterator.toint()
-            if const_expr(self.weight_format == "fp4"):
+            if const_expr(self.weight_format == "fp4" and self.interleaved_split):
+                # The group's K blocks lie split_k apart: a word each.
+                row = (w_row + lane % WARP_ROWS).to(Int64)
+                word = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8,
+                                           num_bits_per_copy=32)
+                for i in cutlass.range_constexpr(self.scale_group):
+                    copy_bytes(word, 4, s_base + row * (num_k * 4)
+                               + self.k_read(kb + i, num_k) * 4, buffer + lane * 16 + 4 * i)
+            elif const_expr(self.weight_format == "fp4"):
                 row = (w_row + lane % WARP_ROWS).to(Int64)
                 copy_bytes(atom, nbytes, s_base + row * (num_k * 4) + kb * 4,
                            buffer + lane * 16)

@@ -63,7 +63,8 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         **({"token_codes": True} if config.token_codes else {}),
                         **({"row_norm_eps": config.row_norm_eps}
                            if config.row_norm_eps is not None else {}),
-                        **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}))
+                        **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}),
+                        **({"interleaved_split": True} if config.interleaved_split else {}))
 
 
 def run_ptxas(ptx: str, folder) -> tuple[int, str] | None:
