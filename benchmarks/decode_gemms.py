@@ -123,7 +123,9 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
     take two, outputs of whole 128-row blocks). ``token_stages``: also the first config with
     each of these token stages (kernels that quantise or copy their tokens: how many K blocks
     of token rows are loaded ahead). ``interleaving``: also the first config with its K
-    split's interleaving (``interleaved_split``) toggled, where the launch may take it."""
+    split's interleaving (``interleaved_split``) toggled, where the launch may take it, and
+    in the sweep each split both ways (else the sweep's splits interleave as the model's
+    config does, where they may)."""
     # The routed experts' launches resolve as the MoE op resolves them: with the features of
     # both launches of its call (w1/w3: K = d, N = inter; w2 the reverse), which set their
     # shared K split and stages (ffi/moe_sm90.moe_configs).
@@ -174,7 +176,16 @@ def variants(shape: GemmShape, rows: int, sweep: bool, ablations: bool | tuple[s
                     continue
                 if stage_count < model.spec.min_stages:
                     continue
-                config = dataclasses.replace(model, num_stages=stage_count, split_k=split)
+                can = (model.algorithm in INTERLEAVED_SPLIT_ALGORITHMS
+                       and all(interleaves(shape.fmt, k, split) for k in k_ins))
+                config = dataclasses.replace(model, num_stages=stage_count, split_k=split,
+                                             interleaved_split=model.interleaved_split and can)
+                if interleaving and can:
+                    other = dataclasses.replace(config,
+                                                interleaved_split=not config.interleaved_split)
+                    if other != model:
+                        out.append((f"stages {stage_count}, split {split}, interleaved "
+                                    f"{other.interleaved_split}", other))
                 if (model.algorithm == "mma_fp8_stream" and stage_count != model.num_stages
                         and stream_batch_blocks(shape.fmt, shape.gated, stage_count)
                         == stream_batch_blocks(shape.fmt, shape.gated, model.num_stages)):
