@@ -4,7 +4,7 @@ and for variants of it.
 
     source .device/setup.sh && python3 benchmarks/decode_gemms.py [--tokens 1,8] \
         [--gemms all|wq_b,routed_w13,...] [--sweep] [--ablations [a,b]] [--row-blocks]
-        [--token-stages 4,8] [--budget 400] [--out f.md]
+        [--token-stages 4,8] [--blocked] [--budget 400] [--out f.md]
     python3 benchmarks/decode_gemms.py --tiny          # dry run (CPU): variants, no launch
     bash benchmarks/run_on_device.sh gemm_ncu wq_b 1   # Nsight Compute of one launch (--ncu)
 
@@ -35,7 +35,8 @@ prefill tiles (``--tokens 4096``) kernel x tile rows x stages (``--prefill-algor
 ``--block-ns``); ``--ablations``: the model's config with each of its kernel's
 benchmark-only ablations (outputs wrong by design: where the time goes); ``--base ALG``:
 the first row, the sweep and the ablations under decode algorithm ALG instead of the
-model's. ``--budget``: seconds after which no further variant is started (rows already
+model's. ``--blocked``: every variant of an FP4 GEMM also on the same weights in the blocked
+layout (``quant.block_fp4_weight``; label "[blocked]"). ``--budget``: seconds after which no further variant is started (rows already
 timed are kept).
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ import dsv4_jax  # noqa: F401  (first: XLA flags)
 import jax
 import jax.numpy as jnp
 
+from dsv4_jax import quant
 from dsv4_jax.config import Config
 from dsv4_jax.ffi import cases
 from dsv4_jax.ffi.grouped_gemm_sm90 import resolve_config, use_row_tiles
@@ -246,6 +248,20 @@ def weight_sets(shape: GemmShape, key, count: int, start: int = 0):
     return jax.block_until_ready(sets)
 
 
+def blocked_sets(weights):
+    """The weight sets with their FP4 weights in the blocked layout (a set repeated -- the
+    routed stack -- is blocked once)."""
+    done = {}
+
+    def block(m):
+        if m is None:
+            return None
+        if id(m[0]) not in done:
+            done[id(m[0])] = quant.block_fp4_weight(m[0])
+        return done[id(m[0])], m[1]
+    return jax.block_until_ready([(block(w), block(up)) for w, up in weights])
+
+
 def inputs(shape: GemmShape, tokens: int, key, sets: int):
     """Per set ``(x [rows, K] bf16, group ids [rows], row weights [rows])``."""
     out = []
@@ -310,6 +326,8 @@ def main(argv=None):
     p.add_argument("--row-blocks", action="store_true",
                    help="also the model's config on the other number of 64-row blocks per "
                         "CTA (ungated launches)")
+    p.add_argument("--blocked", action="store_true",
+                   help="FP4 GEMMs: every variant also on blocked-layout weights")
     p.add_argument("--budget", type=float, default=float("inf"),
                    help="seconds after which no new variant starts")
     p.add_argument("--out", default=None, help="markdown table path")
@@ -359,6 +377,9 @@ def main(argv=None):
             one * shape.groups))))
         weights = (first * count if shape.routed        # one expert stack, R routings
                    else first + weight_sets(shape, key, count - 1, start=1))
+        layouts = [("", weights)]
+        if args.blocked and shape.fmt == "fp4":
+            layouts.append((" [blocked]", blocked_sets(weights)))
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows_sets = inputs(shape, tokens, key, count)
             groups = (sum(cases.touched_groups(ids) for _, ids, _ in rows_sets) / count
@@ -381,24 +402,27 @@ def main(argv=None):
                     print(f"budget of {args.budget:.0f} s spent: {name} T={tokens} {label} "
                           "and later variants not run", flush=True)
                     break
-                try:
-                    times = time_variant(shape, config, weights, rows_sets, dry, args.ncu)
-                except Exception as e:          # a variant that fails is reported, not fatal
-                    print(f"{name} T={tokens} {label}: FAILED {type(e).__name__}: "
-                          f"{str(e)[:300]}", flush=True)
-                    continue
-                if times is None:
-                    print(f"{name} T={tokens} {label}: {config} built, not launched", flush=True)
-                    continue
-                t, wall = times
-                model_t = t if model_t is None else model_t      # the first row's
-                row = (f"| {name} | {tokens} | {label} ({config.algorithm}, "
-                       f"{config.num_stages} st, split {config.split_k}) | {t * 1e6:.1f} | "
-                       f"{floor * 1e6:.1f} | {floor / t:.0%} | {t / model_t:.2f} | "
-                       f"{wall * 1e6:.1f} | {flops(shape, tokens) / t / 1e12:.0f} |")
-                lines.append(row)
-                print(row, flush=True)
-        del weights
+                for suffix, layout_weights in layouts:
+                    try:
+                        times = time_variant(shape, config, layout_weights, rows_sets, dry,
+                                             args.ncu)
+                    except Exception as e:      # a variant that fails is reported, not fatal
+                        print(f"{name} T={tokens} {label}{suffix}: FAILED "
+                              f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+                        continue
+                    if times is None:
+                        print(f"{name} T={tokens} {label}{suffix}: {config} built, not "
+                              f"launched", flush=True)
+                        continue
+                    t, wall = times
+                    model_t = t if model_t is None else model_t      # the first row's
+                    row = (f"| {name} | {tokens} | {label}{suffix} ({config.algorithm}, "
+                           f"{config.num_stages} st, split {config.split_k}) | {t * 1e6:.1f} | "
+                           f"{floor * 1e6:.1f} | {floor / t:.0%} | {t / model_t:.2f} | "
+                           f"{wall * 1e6:.1f} | {flops(shape, tokens) / t / 1e12:.0f} |")
+                    lines.append(row)
+                    print(row, flush=True)
+        del weights, layouts
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

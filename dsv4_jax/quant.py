@@ -149,6 +149,31 @@ def pack_fp4(values: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(byte, jnp.int8)
 
 
+# The "blocked" FP4 layout: 64 rows x 128 codes (64 bytes) per tile, tiles row-block-major;
+# every tile is 4 KB of contiguous bytes, which is how the decode kernels read a K block
+# (kernels/grouped_gemm_layout.weight_offset).
+FP4_TILE = (64, 64)       # (rows, bytes) of one tile
+
+
+def block_fp4_weight(packed: jax.Array) -> jax.Array:
+    """Packed FP4 ``[..., out, in/2]`` -> the same bytes in the "blocked" layout
+    ``[..., out/64, in/128, 64, 64]`` (a copy, made once when weights are loaded)."""
+    *lead, out_f, half_in = packed.shape
+    rows, cols = FP4_TILE
+    if out_f % rows or half_in % cols:
+        raise ValueError(f"block_fp4_weight: packed FP4 [..., out, in/2] needs out a multiple "
+                         f"of {rows} and in a multiple of {2 * cols}; got shape "
+                         f"{tuple(packed.shape)}")
+    tiles = packed.reshape(*lead, out_f // rows, rows, half_in // cols, cols)
+    return jnp.swapaxes(tiles, -3, -2)
+
+
+def unblock_fp4_weight(blocked: jax.Array) -> jax.Array:
+    """Inverse of ``block_fp4_weight``: ``[..., out/64, in/128, 64, 64]`` -> ``[..., out, in/2]``."""
+    *lead, row_tiles, col_tiles, rows, cols = blocked.shape
+    return jnp.swapaxes(blocked, -3, -2).reshape(*lead, row_tiles * rows, col_tiles * cols)
+
+
 def dequant_fp8_weight(weight: jax.Array, scale: jax.Array, block: int = 128) -> jax.Array:
     """FP8 e4m3 ``[out, in]`` with E8M0 ``[ceil(out/b), ceil(in/b)]`` block scales -> f32."""
     out_f, in_f = weight.shape[-2:]
@@ -173,18 +198,43 @@ class WeightFormat:
     (packed e2m1 codes, two per byte, E8M0 scale per 1 x 32 block along the input), ``"fp8"``
     (e4m3 codes, E8M0 scale per 128 x 128 block), or a plain dtype name -- ``"bf16"``,
     ``"f16"``, ``"f32"`` -- with no scale. Stacked weights (``[E, out, in]``) add leading dims.
+    ``layout`` is how the bytes lie: ``"rows"`` (``[..., out, stored in]``), or for FP4
+    ``"blocked"`` (``FP4_BLOCKED``: ``[..., out/64, in/128, 64, 64]``, ``block_fp4_weight``),
+    whose scales stay ``[..., out, in/32]``.
     """
     name: str
     scale_block: tuple[int, int] | None = None   # (rows, columns) per scale; None: plain
     codes_per_byte: int = 1
+    layout: str = "rows"      # or "blocked" (packed FP4 in tiles: ``block_fp4_weight``)
 
     @property
     def quantized(self) -> bool:
         return self.scale_block is not None
 
+    @property
+    def label(self) -> str:
+        """The name, with the layout where it is not "rows" (for messages)."""
+        return self.name if self.layout == "rows" else f"{self.name} ({self.layout})"
+
     def stored_in(self, in_features: int) -> int:
         """Stored length of a row of ``in_features`` values."""
         return in_features // self.codes_per_byte
+
+    def stored_shape(self, out_features: int, in_features: int) -> tuple[int, ...]:
+        """The weight array's trailing dims for an ``[out, in]`` matrix."""
+        if self.layout == "blocked":
+            rows, cols = FP4_TILE
+            return out_features // rows, self.stored_in(in_features) // cols, rows, cols
+        return out_features, self.stored_in(in_features)
+
+    def matrix_dims(self, weight) -> tuple[int, ...]:
+        """``(*lead, out, stored in)`` of a weight of this format, whatever its layout (the
+        blocked layout's bytes viewed as ``[..., out, in/2]`` rows are its tiles' bytes in
+        order, not the rows: a shape, for kernels that read the tiles)."""
+        if self.layout == "blocked":
+            *lead, row_tiles, col_tiles, rows, cols = weight.shape
+            return (*lead, row_tiles * rows, col_tiles * cols)
+        return tuple(weight.shape)
 
     def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int] | None:
         """``[ceil(out / rows), ceil(in / cols)]`` E8M0 scales, or None for plain weights."""
@@ -195,6 +245,8 @@ class WeightFormat:
 
     def dequantize(self, weight: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
         """The weight's exact values in ``dtype`` (code x power of two is exact in BF16)."""
+        if self is FP4_BLOCKED:
+            return dequant_fp4_weight(unblock_fp4_weight(weight), scale).astype(dtype)
         if self is FP4:
             return dequant_fp4_weight(weight, scale).astype(dtype)
         if self is FP8:
@@ -203,16 +255,30 @@ class WeightFormat:
 
 
 FP4 = WeightFormat("fp4", (1, 32), 2)
+FP4_BLOCKED = WeightFormat("fp4", (1, 32), 2, "blocked")
 FP8 = WeightFormat("fp8", (128, 128))
 BF16 = WeightFormat("bf16")
 F16 = WeightFormat("f16")
 F32 = WeightFormat("f32")
-WEIGHT_FORMATS = {f.name: f for f in (FP4, FP8, BF16, F16, F32)}
+WEIGHT_FORMATS = {f.name: f for f in (FP4, FP8, BF16, F16, F32)}     # the "rows" layouts
 _PLAIN_BY_DTYPE = {jnp.dtype(jnp.bfloat16): BF16, jnp.dtype(jnp.float16): F16,
                    jnp.dtype(jnp.float32): F32}
 # Scale dtypes a quantised weight may carry: E8M0 (float8_e8m0fnu or its raw exponent bytes)
 # or f32 powers of two.
 SCALE_DTYPES = (jnp.dtype(E8M0_DTYPE), jnp.dtype(jnp.uint8), jnp.dtype(jnp.float32))
+
+
+def is_blocked_fp4(weight) -> bool:
+    """Whether ``weight`` is packed FP4 in the "blocked" layout (``[..., out/64, in/128, 64,
+    64]`` int8/uint8; no row-layout FP4 weight has more than three dims)."""
+    return (jnp.dtype(weight.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))
+            and weight.ndim >= 4 and tuple(weight.shape[-2:]) == FP4_TILE)
+
+
+def matrix_dims(weight) -> tuple[int, ...]:
+    """``(*lead, out, stored in)`` of a weight in any format and layout
+    (``WeightFormat.matrix_dims``)."""
+    return (FP4_BLOCKED if is_blocked_fp4(weight) else FP4).matrix_dims(weight)
 
 
 def weight_format(weight, scale=None, *, name: str = "weight", op: str = "weight") -> WeightFormat:
@@ -222,7 +288,7 @@ def weight_format(weight, scale=None, *, name: str = "weight", op: str = "weight
     not fit the format; both name ``op`` and ``name`` with the shapes."""
     dt = jnp.dtype(weight.dtype)
     if dt in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)):
-        fmt = FP4
+        fmt = FP4_BLOCKED if is_blocked_fp4(weight) else FP4
     elif dt == jnp.dtype(FP8_DTYPE):
         fmt = FP8
     elif dt in _PLAIN_BY_DTYPE:

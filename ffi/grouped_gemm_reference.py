@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
-from dsv4_jax.quant import WeightFormat
+from dsv4_jax.quant import WeightFormat, matrix_dims
 from .norm import rms_norm
 
 __all__ = ["grouped_gemm_reference", "check_grouped_gemm_args", "check_weight",
@@ -33,15 +33,17 @@ def check_weight(op: str, name: str, w, groups: int, out_f: int, in_f: int) -> W
                         f"{type(w).__name__}")
     weight, scale = w
     fmt = quant.weight_format(weight, scale, name=name, op=op)
-    stored_in = fmt.stored_in(in_f)
-    if (weight.ndim != 3 or tuple(weight.shape) != (groups, out_f, stored_in)
-            or in_f % fmt.codes_per_byte):
-        packed = " (FP4: two codes per byte)" if fmt is quant.FP4 else ""
-        raise ValueError(f"{op}: {name} weight must be [E={groups}, {out_f}, {stored_in}]"
+    want = (groups, *fmt.stored_shape(out_f, in_f))
+    if tuple(weight.shape) != want or in_f % fmt.codes_per_byte:
+        packed = ""
+        if fmt.name == "fp4":
+            packed = (" (FP4 blocked: [E, out/64, in/128, 64, 64] bytes)"
+                      if fmt.layout == "blocked" else " (FP4: two codes per byte)")
+        raise ValueError(f"{op}: {name} weight must be [{', '.join(map(str, want))}]"
                          f"{packed}; {describe(name, weight)}")
     if not fmt.quantized:
         return fmt
-    if fmt is quant.FP4 and in_f % fmt.scale_block[1]:
+    if fmt.name == "fp4" and in_f % fmt.scale_block[1]:
         raise ValueError(f"{op}: {name} is FP4 with in={in_f}, not a multiple of the 32-wide "
                          f"scale blocks; {describe(name, weight)}")
     want = (groups, *fmt.scale_shape(out_f, in_f))
@@ -75,11 +77,13 @@ def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> Wei
     if jnp.dtype(x.dtype) not in ACT_DTYPES:
         raise TypeError(f"{op}: x must be bf16 or f32; {describe('x', x)}")
     rows, k = x.shape
-    if not isinstance(w, (tuple, list)) or len(w) != 2 or getattr(w[0], "ndim", 0) != 3:
-        raise ValueError(f"{op}: w must be a (weight [G, N, K], scale) pair; got "
+    if (not isinstance(w, (tuple, list)) or len(w) != 2
+            or getattr(w[0], "ndim", 0) not in (3, 5)):
+        raise ValueError(f"{op}: w must be a (weight [G, N, K] or blocked FP4 [G, N/64, "
+                         f"K/128, 64, 64], scale) pair; got "
                          + (describe("w", w[0]) if isinstance(w, (tuple, list)) and w
                             and hasattr(w[0], "shape") else type(w).__name__))
-    groups, n = w[0].shape[0], w[0].shape[1]
+    groups, n = matrix_dims(w[0])[:2]
     if group_ids is None:
         if rows % groups:
             raise ValueError(f"{op}: group_ids=None takes the rows in {groups} equal blocks, "
@@ -93,8 +97,8 @@ def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> Wei
     if w_up is not None:
         fmt_up = check_weight(op, "w_up", w_up, groups, n, k)
         if fmt_up is not fmt:
-            raise TypeError(f"{op}: w and w_up must share one format, got {fmt.name}, "
-                            f"{fmt_up.name}")
+            raise TypeError(f"{op}: w and w_up must share one format, got {fmt.label}, "
+                            f"{fmt_up.label}")
     if row_weights is not None:
         if w_up is None:
             raise ValueError(f"{op}: row_weights belong to the gated form (give w_up too)")
@@ -134,12 +138,13 @@ def check_pair_args(x, group_ids, w, w_next) -> None:
     check_grouped_gemm_args(x, group_ids, w)
     op = "grouped_gemm_pair"
     if (not isinstance(w_next, (tuple, list)) or len(w_next) != 2
-            or getattr(w_next[0], "ndim", 0) != 3):
-        raise ValueError(f"{op}: w_next must be a (weight [G, N_next, K], scale) pair; got "
+            or getattr(w_next[0], "ndim", 0) not in (3, 5)):
+        raise ValueError(f"{op}: w_next must be a (weight [G, N_next, K] or blocked FP4, "
+                         f"scale) pair; got "
                          + (describe("w_next", w_next[0])
                             if isinstance(w_next, (tuple, list)) and w_next
                             and hasattr(w_next[0], "shape") else type(w_next).__name__))
-    check_weight(op, "w_next", w_next, w[0].shape[0], w_next[0].shape[1], x.shape[1])
+    check_weight(op, "w_next", w_next, w[0].shape[0], matrix_dims(w_next[0])[1], x.shape[1])
 
 
 # ----------------------------------------------------------------------------- reference

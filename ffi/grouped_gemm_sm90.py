@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv4_jax import quant
+from dsv4_jax.quant import matrix_dims
 from dsv4_jax.kernels.grouped_gemm_config import (FP8_CODE_ALGORITHMS, WEIGHT_FORMATS,
                                                   GroupedGemmSm90Config, choose_config,
                                                   num_tile_slots)
@@ -42,7 +43,8 @@ from dsv4_jax.kernels.grouped_gemm_layout import BLOCK_K, BLOCK_M, warp_scale_gr
 from .grouped_gemm_reference import normed_rows
 from .policy import GroupedGemmPolicy
 
-__all__ = ["resolve_config", "kernel_weight_format", "support", "launch_support", "schedule",
+__all__ = ["resolve_config", "kernel_weight_format", "kernel_weight_layout", "support",
+           "launch_support", "schedule",
            "row_schedule", "use_row_tiles", "block_schedule", "launch", "grouped_gemm_cute",
            "pair_config", "pair_support", "grouped_gemm_pair_cute", "with_constant_tiles",
            "with_row_norm"]
@@ -62,6 +64,14 @@ def kernel_weight_format(weight, scale) -> str | None:
     if scale is not None and jnp.dtype(scale.dtype) not in _KERNEL_SCALE_DTYPES:
         return None      # the kernels read E8M0 exponent bytes (f32 scales: the reference)
     return fmt.name
+
+
+def kernel_weight_layout(*weights) -> str | None:
+    """The one ``GroupedGemmSm90Config.weight_layout`` of ``weights`` ("blocked": packed FP4
+    in 64-row x K-block tiles, ``quant.block_fp4_weight``; else "rows"), or None when they
+    differ (a launch reads all its weights in one layout)."""
+    layouts = {"blocked" if quant.is_blocked_fp4(w) else "rows" for w in weights}
+    return layouts.pop() if len(layouts) == 1 else None
 
 
 def resolve_config(policy: GroupedGemmPolicy | None, rows: int, groups: int, fmt: str,
@@ -98,10 +108,12 @@ def support(rows: int, k: int, x_dtype: str, w, w_up=None, *, ragged: bool, simu
     fmts = {kernel_weight_format(*m) for m in mats}
     if None in fmts or len(fmts) != 1:
         return False, "weights not all in one of the kernel formats fp4/fp8/bf16 (E8M0 scales)"
+    if kernel_weight_layout(*(m[0] for m in mats)) is None:
+        return False, "weights in different layouts (rows and blocked FP4)"
     fmt = fmts.pop()
     if rows == 0:
         return False, "no rows"
-    groups, n = w[0].shape[0], w[0].shape[1]
+    groups, n = w[0].shape[0], matrix_dims(w[0])[1]
     config = resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,),
                             gated=w_up is not None)
     if not ragged and rows % groups:
@@ -176,7 +188,9 @@ def block_schedule(rows: int, groups: int, block_n: int):
 
 
 def _as_bytes(weight, scale):
-    """Weight and scale operands as the kernel reads them (raw bytes; bf16 stays bf16)."""
+    """Weight and scale operands as the kernel reads them (raw bytes; bf16 stays bf16; a
+    blocked FP4 weight's bytes as [G, N, K/2], in their order: ``weight_offset``)."""
+    weight = weight.reshape(matrix_dims(weight))
     if scale is None:
         return weight, jnp.zeros((4,), jnp.uint8)
     w = weight if weight.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(weight,
@@ -206,6 +220,10 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
 
     tile_group, tile_row0, tile_rows = tiles
     fmt = kernel_weight_format(weight, scale)
+    layout = kernel_weight_layout(weight, weight if weight_b is None else weight_b)
+    if layout is None:
+        raise ValueError(f"grouped_gemm launch: weight {weight.shape} and weight_b "
+                         f"{weight_b.shape} in different layouts (rows and blocked FP4)")
     gated = weight_b is not None and not paired
     w_a, s_a = _as_bytes(weight, scale)
     w_b, s_b = _as_bytes(weight_b, scale_b) if weight_b is not None else (w_a, s_a)
@@ -228,7 +246,7 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
         x_scale = norm_weight.astype(jnp.bfloat16)
     else:
         x_scale = jnp.zeros((1,), jnp.float32)
-    n_out = weight.shape[1] + (weight_b.shape[1] if paired else 0)
+    n_out = matrix_dims(weight)[1] + (matrix_dims(weight_b)[1] if paired else 0)
     out = jax.ShapeDtypeStruct((xs.shape[0] * token_stride, n_out), jnp.bfloat16)
     (y,) = cute_call(kernel.grouped_gemm_launcher, (out,), xs, x_scale, tile_group, tile_row0,
                      tile_rows, w_a, s_a, w_b, s_b, rw, weight_format=fmt, gated=gated,
@@ -242,7 +260,8 @@ def launch(xs, tiles, weight, scale, *, weight_b=None, scale_b=None, route_w=Non
                      **({"token_codes": True} if config.token_codes else {}),
                      **({"row_norm_eps": config.row_norm_eps} if normed else {}),
                      **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}),
-                     **({"interleaved_split": True} if config.interleaved_split else {}))
+                     **({"interleaved_split": True} if config.interleaved_split else {}),
+                     **({"weight_layout": layout} if layout != "rows" else {}))
     return y
 
 
@@ -312,7 +331,7 @@ def grouped_gemm_cute(x, group_ids, w, *, w_up=None, row_weights=None,
     """``grouped_gemm`` on the Hopper kernel (see the module docstring). ``config``: a kernel
     variant for tests and benchmarks (its ablations), else ``resolve_config(policy)``'s."""
     rows, k = x.shape
-    groups, n = w[0].shape[0], w[0].shape[1]
+    groups, n = w[0].shape[0], matrix_dims(w[0])[1]
     fmt = kernel_weight_format(*w)
     gated = w_up is not None
     config = config or resolve_config(policy, rows, groups, fmt, (k,), simulate, (n,),
@@ -345,8 +364,8 @@ def pair_config(policy: GroupedGemmPolicy | None, rows: int, k: int, w, w_next,
         return None
     groups = w[0].shape[0]
     config = resolve_config(policy, rows, groups, fmt, (k,), simulate,
-                            (w[0].shape[1] + w_next[0].shape[1],))
-    if any(m[0].shape[1] % (BLOCK_M * config.row_blocks) for m in (w, w_next)):
+                            (matrix_dims(w[0])[1] + matrix_dims(w_next[0])[1],))
+    if any(matrix_dims(m[0])[1] % (BLOCK_M * config.row_blocks) for m in (w, w_next)):
         # A CTA's row blocks lie in one of the two weights.
         config = dataclasses.replace(config, row_blocks=1)
     return config if config.spec.tiles == "decode" else None
@@ -363,7 +382,9 @@ def pair_support(rows: int, k: int, x_dtype: str, w, w_next, *, ragged: bool,
     config = pair_config(policy, rows, k, w, w_next, simulate)
     if config is None:
         return True, ""
-    n = w[0].shape[1] + w_next[0].shape[1]
+    if kernel_weight_layout(w[0], w_next[0]) is None:
+        return False, "w and w_next in different layouts (rows and blocked FP4)"
+    n = matrix_dims(w[0])[1] + matrix_dims(w_next[0])[1]
     return launch_support(config, kernel_weight_format(*w), x_dtype, rows, w[0].shape[0],
                           [(False, n, k)])
 
@@ -387,5 +408,5 @@ def grouped_gemm_pair_cute(x, group_ids, w, w_next, *, simulate: bool = False,
     ys = launch(xs, tiles, *w, weight_b=w_next[0], scale_b=w_next[1], x_scale=x_scale,
                 norm_weight=norm_weight, config=config, paired=True)
     ys = _in_row_order(ys, order, valid_sorted, x.dtype)
-    n = w[0].shape[1]
+    n = matrix_dims(w[0])[1]
     return ys[:, :n], ys[:, n:]

@@ -9,6 +9,7 @@ import functools
 
 import jax.numpy as jnp
 
+from dsv4_jax.quant import matrix_dims
 from .grouped_gemm_reference import ACT_DTYPES, check_weight, describe, grouped_gemm_reference
 
 __all__ = ["moe_experts_reference", "moe_expert_rows_reference", "check_moe_args",
@@ -39,21 +40,23 @@ def check_moe_args(x, idx, weights, w1, w3, w2, *, op: str = "moe_experts"):
         raise TypeError(f"{op}: routing weights must be floating; "
                         f"{describe('weights', weights)}")
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
-        if not isinstance(w, (tuple, list)) or len(w) != 2 or getattr(w[0], "ndim", 0) != 3:
-            raise ValueError(f"{op}: {name} must be a (weight [E, out, in], scale) pair; got "
+        if (not isinstance(w, (tuple, list)) or len(w) != 2
+                or getattr(w[0], "ndim", 0) not in (3, 5)):
+            raise ValueError(f"{op}: {name} must be a (weight [E, out, in] or blocked FP4 "
+                             f"[E, out/64, in/128, 64, 64], scale) pair; got "
                              + (describe(name, w[0]) if isinstance(w, (tuple, list)) and w
                                 and hasattr(w[0], "shape") else type(w).__name__))
-    e, inter = w1[0].shape[0], w1[0].shape[1]
+    e, inter = matrix_dims(w1[0])[:2]
     fmt = check_weight(op, "w1", w1, e, inter, d)
     fmt3 = check_weight(op, "w3", w3, e, inter, d)
-    w2_in = w2[0].shape[2] * (2 if w2[0].dtype in (jnp.int8, jnp.uint8) else 1)
+    w2_in = matrix_dims(w2[0])[2] * (2 if w2[0].dtype in (jnp.int8, jnp.uint8) else 1)
     if w2[0].shape[0] != e or w2_in != inter:
         raise ValueError(f"{op}: w2 weight must be [E={e}, d={d}, inter={inter}] (w1 is "
                          f"{tuple(w1[0].shape)}); {describe('w2', w2[0])}")
     fmt2 = check_weight(op, "w2", w2, e, d, inter)
     if not fmt is fmt3 is fmt2:
-        raise TypeError(f"{op}: w1, w3, w2 must share one format, got {fmt.name}, "
-                        f"{fmt3.name}, {fmt2.name}")
+        raise TypeError(f"{op}: w1, w3, w2 must share one format, got {fmt.label}, "
+                        f"{fmt3.label}, {fmt2.label}")
     if idx.ndim == 2 and idx.shape[1] > e:
         raise ValueError(f"{op}: k={idx.shape[1]} experts per token > E={e} experts; "
                          f"{describe('idx', idx)}")

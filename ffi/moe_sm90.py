@@ -27,6 +27,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from dsv4_jax.kernels.grouped_gemm_config import GroupedGemmSm90Config
+from dsv4_jax.quant import matrix_dims
 from . import grouped_gemm_sm90 as gemm
 from . import moe_schedule_sm90 as moe_schedule
 from .moe_reference import sum_rows_per_token
@@ -47,7 +48,7 @@ def moe_configs(rows: int, w1, w2, *, simulate: bool,
     fmt = gemm.kernel_weight_format(*w1)
     if fmt is None:
         return None
-    d, inter = w2[0].shape[1], w1[0].shape[1]
+    d, inter = matrix_dims(w2[0])[1], matrix_dims(w1[0])[1]
     return tuple(gemm.resolve_config(policy, rows, w1[0].shape[0], fmt, (d, inter), simulate,
                                      (inter, d), gated=g) for g in (True, False))
 
@@ -58,10 +59,12 @@ def moe_support(rows: int, x_dtype: str, w1, w3, w2, *, simulate: bool,
     fmts = {gemm.kernel_weight_format(*w) for w in (w1, w3, w2)}
     if None in fmts or len(fmts) != 1:
         return False, "expert weights not all in one of the formats fp4/fp8/bf16"
+    if gemm.kernel_weight_layout(w1[0], w3[0], w2[0]) is None:
+        return False, "expert weights in different layouts (rows and blocked FP4)"
     if rows == 0:
         return False, "no rows"
     gated, down = moe_configs(rows, w1, w2, simulate=simulate, policy=policy)
-    d, inter = w2[0].shape[1], w1[0].shape[1]
+    d, inter = matrix_dims(w2[0])[1], matrix_dims(w1[0])[1]
     fmt = fmts.pop()
     for config, launch in ((gated, (True, inter, d)), (down, (False, d, inter))):
         ok, why = gemm.launch_support(config, fmt, x_dtype, rows, w1[0].shape[0], [launch])

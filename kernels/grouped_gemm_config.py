@@ -30,8 +30,8 @@ from __future__ import annotations
 import dataclasses
 
 from .grouped_gemm_layout import (BLOCK_K, BLOCK_M, ROW_BYTES, STREAM_CHUNK_BLOCKS,
-                                  STREAM_KBLOCK_BYTES, WARP_TOKENS, fp8_warp_smem_bytes,
-                                  warp_scale_group, warp_smem_bytes)
+                                  STREAM_KBLOCK_BYTES, WARP_TOKENS, WEIGHT_LAYOUTS,
+                                  fp8_warp_smem_bytes, warp_scale_group, warp_smem_bytes)
 
 WEIGHT_FORMATS = ("fp4", "fp8", "bf16")     # quant.WeightFormat names the kernels read
 SMEM_BYTES = 227 * 1024  # per CTA on sm_90
@@ -94,16 +94,16 @@ KERNELS = {spec.algorithm: spec for spec in (
     KernelSpec("mma_sync", "grouped_gemm_sm90_mma_sync", "GroupedGemmMmaSyncSm90", "decode",
                False, WEIGHT_FORMATS, WARP_TOKENS, True,
                ("no_load", "no_token_load", "no_scale_load", "no_dequant", "no_mma",
-                "no_reduce", "no_cluster", "no_barrier", "blocked_weights")),
+                "no_reduce", "no_cluster", "no_barrier")),
     KernelSpec("mma_fp8", "grouped_gemm_sm90_mma_fp8", "GroupedGemmMmaFp8Sm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_scale_load", "no_dequant", "no_mma", "no_quant", "no_reduce",
-                "no_cluster", "no_barrier", "blocked_weights"),
+                "no_cluster", "no_barrier"),
                quantizes_tokens=True, max_row_blocks=2),
     KernelSpec("wgmma_rs", "grouped_gemm_sm90_wgmma_rs", "GroupedGemmWgmmaRsSm90", "decode",
                True, ("fp4", "fp8"), WARP_TOKENS, True,
                ("no_load", "no_scale_load", "no_dequant", "no_mma", "no_quant", "no_reduce",
-                "no_cluster", "no_barrier", "blocked_weights"),
+                "no_cluster", "no_barrier"),
                quantizes_tokens=True, max_row_blocks=2),
     KernelSpec("mma_fp8_stream", "grouped_gemm_sm90_mma_fp8_stream",
                "GroupedGemmMmaFp8StreamSm90", "decode", True, ("fp4", "fp8"), WARP_TOKENS, True,
@@ -180,6 +180,10 @@ class GroupedGemmSm90Config:
       which DRAM serves faster than lines read half by half a K block apart
       (docs/performance.md, thirty-seventh session). The sums are the same, in the same
       order per CTA.
+    weight_layout: how the weight bytes lie in HBM (``grouped_gemm_layout.WEIGHT_LAYOUTS``):
+      "rows", or "blocked" -- packed FP4 in contiguous 64-row x K-block tiles
+      (``grouped_gemm_layout.weight_offset``); every kernel reads both. Not chosen by
+      ``choose_config``: the op sets it from the weights it is given.
     """
     block_n: int = 8
     num_stages: int = 8
@@ -192,6 +196,7 @@ class GroupedGemmSm90Config:
     row_norm_eps: float | None = None
     row_blocks: int = 1
     interleaved_split: bool = False
+    weight_layout: str = "rows"
 
     def __post_init__(self):
         if self.algorithm not in KERNELS:
@@ -248,6 +253,9 @@ class GroupedGemmSm90Config:
                              f"False unless the algorithm is one of "
                              f"{INTERLEAVED_SPLIT_ALGORITHMS}; got {self.interleaved_split!r} "
                              f"with {self.algorithm!r}")
+        if self.weight_layout not in WEIGHT_LAYOUTS:
+            raise ValueError(f"GroupedGemmSm90Config: weight_layout must be one of "
+                             f"{WEIGHT_LAYOUTS}, got {self.weight_layout!r}")
         parts = self.ablation.split("+")
         if self.ablation and (any(p not in spec.ablations for p in parts)
                               or len(set(parts)) != len(parts)):
@@ -312,6 +320,9 @@ class GroupedGemmSm90Config:
         if weight_format not in self.spec.weight_formats:
             return False, (f"weight format {weight_format!r} (algorithm {self.algorithm!r} "
                            f"takes {'/'.join(self.spec.weight_formats)})")
+        if self.weight_layout == "blocked" and weight_format != "fp4":
+            return False, (f"weight layout 'blocked' with {weight_format!r} weights (packed "
+                           f"FP4 only)")
         if self.algorithm in FP8_WGMMA_ALGORITHMS and (k_in // BLOCK_K) % 2:
             return False, (f"input features {k_in} (algorithm {self.algorithm!r} needs an "
                            f"even number of {BLOCK_K}-column blocks)")

@@ -12,6 +12,26 @@ BLOCK_M = 64             # weight rows per math warpgroup = WGMMA M
 BLOCK_K = 128            # K elements per pipeline stage
 # Bytes of one weight row per stage, by format (packed FP4: two codes per byte).
 ROW_BYTES = {"fp4": BLOCK_K // 2, "fp8": BLOCK_K, "bf16": BLOCK_K * 2}
+# Weight layouts in HBM: "rows" (each row's bytes contiguous, [G, N, row bytes]) or
+# "blocked" (packed FP4 only: [G, N / 64, K / 128, 64, 64] bytes -- every 64-row x K-block
+# tile a contiguous 4 KB block, written once at load time; ``quant.block_fp4_weight``).
+# A kernel reads 64 rows of one K block at a time: rows put those bytes 64 B apart at a row
+# stride, half of each 128-byte line, the other half one K block later; blocks put them in
+# 32 whole lines (the access pattern measured, docs/performance.md).
+WEIGHT_LAYOUTS = ("rows", "blocked")
+BLOCKED_ROWS = BLOCK_M
+
+
+def weight_offset(row, kb, num_k, row_bytes: int, layout: str):
+    """Byte offset of K block ``kb`` of weight row ``row`` (counted over all groups: group
+    e's row r is ``e N + r``) in a weight of ``num_k`` K blocks of ``row_bytes`` bytes per
+    row. Works on ints and on non-negative kernel integers (64-bit ``row``) alike."""
+    if layout == "blocked":
+        tile = ring_group(row, BLOCKED_ROWS) * num_k + kb
+        return tile * (BLOCKED_ROWS * row_bytes) + ring_slot(row, BLOCKED_ROWS) * row_bytes
+    return row * (num_k * row_bytes) + kb * row_bytes
+
+
 # "mma_sync": 4 warps per CTA, 16 weight rows each (the MMA's M); lane 4g + t holds rows g
 # and g + 8 and, of every K block of 128, the 32 columns [32t, 32t + 32) (one FP4 scale
 # block), 8 per MMA step i: columns 32t + 8i .. 32t + 8i + 7 (``warp_lane_columns``).

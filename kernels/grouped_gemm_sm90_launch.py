@@ -42,7 +42,8 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
                           token_codes: cutlass.Constexpr = False,
                           row_norm_eps: cutlass.Constexpr = None,
                           row_blocks: cutlass.Constexpr = 1,
-                          interleaved_split: cutlass.Constexpr = False):
+                          interleaved_split: cutlass.Constexpr = False,
+                          weight_layout: cutlass.Constexpr = "rows"):
     """(stream, *inputs, *outputs, **static config).
 
     ``x``: the sorted rows [rows, K], bf16, or e4m3 codes (uint8) for the FP8-activation
@@ -62,13 +63,16 @@ def grouped_gemm_launcher(stream: cuda.CUstream, x: cute.Tensor, x_scale: cute.T
     weight [K]. ``row_blocks`` (those two, ungated): 64-row output blocks per CTA
     (``GroupedGemmSm90Config.row_blocks``). ``interleaved_split`` (the warp kernels but
     "mma_fp8_stream"): a K split's CTAs read interleaved K blocks
-    (``GroupedGemmSm90Config.interleaved_split``)."""
+    (``GroupedGemmSm90Config.interleaved_split``). ``weight_layout``: "rows", or "blocked"
+    (packed FP4 ``w_a`` / ``w_b`` in 64-row x K-block tiles,
+    ``GroupedGemmSm90Config.weight_layout``)."""
     config = GroupedGemmSm90Config(block_n=block_n, num_stages=num_stages, algorithm=algorithm,
                                    split_k=split_k, ablation=ablation,
                                    token_stages=token_stages, pdl=pdl,
                                    token_codes=bool(token_codes),
                                    row_norm_eps=row_norm_eps, row_blocks=row_blocks,
-                                   interleaved_split=bool(interleaved_split))
+                                   interleaved_split=bool(interleaved_split),
+                                   weight_layout=weight_layout)
     kernel_class = KERNEL_CLASSES[KERNELS[algorithm].class_name]
     # Only the warp kernels take pairs, only those that quantise their tokens a stride.
     extra = ({"paired": True} if paired else {}) | (

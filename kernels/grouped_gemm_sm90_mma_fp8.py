@@ -48,9 +48,8 @@ Constraints: those of "mma_sync"; weights FP4 or FP8 (not BF16); block_n = 8. Ab
 copied for the first stages only), no_dequant (FP4 codes multiplied as they are), no_mma
 (conversion kept, the MMAs replaced by one integer op), no_quant (only the first K block's
 token rows loaded and quantised), and mma_sync's no_reduce / no_cluster (a split's sums not
-added; the cluster launch kept / not), no_barrier (each K block's CTA barrier left out: warps
-race the copies) and blocked_weights (FP4 rows read where a layout of contiguous 64-row x
-K-block blocks would hold them: that layout's access pattern, wrong values).
+added; the cluster launch kept / not) and no_barrier (each K block's CTA barrier left out:
+warps race the copies). FP4 weights are read in either ``weight_layout`` (mma_sync's copies).
 Outputs differ from the reference only by the order of f32 additions and by the FP8 tensor
 cores' internal sum over K = 32 (FP4) or 128 (FP8) products before each promotion to f32.
 """

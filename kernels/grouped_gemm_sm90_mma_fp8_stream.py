@@ -44,7 +44,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from .grouped_gemm_config import GroupedGemmSm90Config
 from .grouped_gemm_layout import (BLOCK_K, STREAM_CHUNK_BLOCKS, STREAM_KBLOCK_BYTES,
-                                  WARP_TOKENS, stream_batch_blocks, stream_token_unit)
+                                  WARP_TOKENS, stream_batch_blocks, stream_token_unit,
+                                  weight_offset)
 from .grouped_gemm_sm90_convert import (byte_perm, copy_bytes, cp_async_atom, fp4x8_to_e4m3x8,
                                         load_global_words)
 from .grouped_gemm_sm90_mma_fp8 import GroupedGemmMmaFp8Sm90, _load_f32x2, _load_words2
@@ -139,7 +140,6 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
         n_out = mWa.shape[1]
         num_k = mSa.shape[2] if const_expr(self.weight_format == "fp8") else (
             mSa.shape[2] * 32 // BLOCK_K)
-        row_bytes = num_k * self.row_bytes
         for u in cutlass.range_constexpr(self.batch):
             k = kb + u
             if k >= c1:
@@ -149,7 +149,8 @@ class GroupedGemmMmaFp8StreamSm90(GroupedGemmMmaFp8Sm90):
                 s_base = (mSa if mat == 0 else mSb).iterator.toint()
                 for half in cutlass.range_constexpr(2):
                     row = (w_row + g + 8 * half).to(Int64)
-                    first = w_base + row * row_bytes + (k * self.row_bytes).to(Int64)
+                    first = w_base + weight_offset(row, k, num_k, self.row_bytes,
+                                                   self.weight_layout)
                     for i in cutlass.range_constexpr(STEPS):
                         at = (u * self.kb_words
                               + ((mat * 2 + half) * STEPS + i) * self.step_words)

@@ -66,7 +66,8 @@ from .grouped_gemm_layout import (BLOCK_K, BLOCK_M, ROW_BYTES, WARP_COUNT, WARP_
                                   WARP_SCALE_BUFFER_BYTES, WARP_TOKEN_STAGE_BYTES,
                                   fp8_row_copy, mma_sync_fp8_unit, ring_group, ring_slot,
                                   warp_copy_reader, warp_copy_unit, warp_scale_buffers,
-                                  warp_smem_bytes, warp_token_unit, warp_weight_slots)
+                                  warp_smem_bytes, warp_token_unit, warp_weight_slots,
+                                  weight_offset)
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output, mma_m16n8k16_bf16)
 from .sm90_primitives import launch, load_cluster_f32x4, store_shared_f32x4
@@ -108,6 +109,7 @@ class GroupedGemmMmaSyncSm90:
         self.pdl = config.pdl
         self.interleaved_split = config.interleaved_split
         self.row_bytes = ROW_BYTES[weight_format]
+        self.weight_layout = config.weight_layout
         self.lane_bytes = self.row_bytes // 4          # per row and K block, per lane
         self.chunks = self.lane_bytes // 16            # 16 B cp.async per row
         self.w_slots = warp_weight_slots(weight_format, gated)
@@ -386,8 +388,8 @@ class GroupedGemmMmaSyncSm90:
         BF16: lane 4g + t copies units ``warp_copy_unit(t, c)`` of rows g and g + 8 of each
         matrix (whole sectors per copy instruction) to ``copy_slot``."""
         g, t = lane // 4, lane % 4
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)       # bytes per weight row
-        kb_read = self.k_read(kb, k_in // BLOCK_K)
+        num_k = k_in // BLOCK_K
+        kb_read = self.k_read(kb, num_k)
         # 16-byte copies bypass L1 (.cg): no SM reads a weight byte twice.
         copy_16 = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.Uint8,
@@ -397,23 +399,16 @@ class GroupedGemmMmaSyncSm90:
             if const_expr(self.weight_format == "fp8"):
                 for i in cutlass.range_constexpr(WARP_ROWS // 4):
                     r, unit = fp8_row_copy(lane, i)
-                    src = w_base + (w_row + r).to(Int64) * w_stride + (
-                        kb_read * self.row_bytes + unit * 16).to(Int64)
+                    src = w_base + weight_offset((w_row + r).to(Int64), kb_read, num_k,
+                                                 self.row_bytes, self.weight_layout) + unit * 16
                     copy_bytes(copy_16, 16, src, self.fp8_row_slot(stage, mat, r, unit))
             else:
                 for half in cutlass.range_constexpr(2):             # rows g and g + 8
                     row = (w_row + g + 8 * half).to(Int64)
+                    at = w_base + weight_offset(row, kb_read, num_k, self.row_bytes,
+                                                self.weight_layout)
                     for c in cutlass.range_constexpr(self.chunks):
-                        src = w_base + row * w_stride + (
-                            kb_read * self.row_bytes + warp_copy_unit(t, c) * 16).to(Int64)
-                        if const_expr(self.leaves_out("blocked_weights")):
-                            # Ablation: the bytes a weight laid out in contiguous blocks of
-                            # 64 rows x one K block would put here (wrong values, the
-                            # blocked layout's access pattern).
-                            block = (row // BLOCK_M) * (k_in // BLOCK_K) + kb
-                            src = w_base + block * (BLOCK_M * self.row_bytes) + (
-                                (row % BLOCK_M) * self.row_bytes
-                                + warp_copy_unit(t, c) * 16)
+                        src = at + warp_copy_unit(t, c) * 16
                         copy_bytes(copy_16, 16, src,
                                    self.copy_slot(stage, mat, half, c, lane))
 
@@ -483,7 +478,6 @@ class GroupedGemmMmaSyncSm90:
         mults = []            # per (matrix, row half): bf16x2 scale multiplier
         for mat in cutlass.range_constexpr(self.mats):
             for half in cutlass.range_constexpr(2):
-                q = mat * 2 + half
                 row_words = []
                 for c in cutlass.range_constexpr(self.chunks):
                     vec = _load_words(self.weight_slot(stage, mat, half, c, lane))

@@ -52,6 +52,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .sm90_primitives import cp_async_arrive
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, KERNELS, ROW_BYTES, GroupedGemmSm90Config
+from .grouped_gemm_layout import weight_offset
 from .grouped_gemm_sm90_convert import (copy_bytes, e8m0_bf16x2, fp4x8_to_bf16x8, fp8x4_to_bf16x4,
                                gated_output)
 
@@ -82,6 +83,7 @@ class GroupedGemmWgmmaSm90:
         self.leave_out = {stage: config.leaves_out(stage)
                           for stage in KERNELS["wgmma"].ablations}
         self.row_bytes = ROW_BYTES[weight_format]
+        self.weight_layout = config.weight_layout
         self.dtype = cutlass.BFloat16          # the WGMMA operands in shared memory
         self.out_dtype = cutlass.BFloat16
         self.math_wgs = self.MATH_WARPGROUPS
@@ -190,9 +192,8 @@ class GroupedGemmWgmmaSm90:
         atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
         sB_vec = cute.flat_divide(sB, (1, 8))[0, None, None, None, None]
         cta_rows = self.cta_rows
-        # Global byte offsets of this tile's first weight row (row-major [E, N, row bytes]).
+        # This tile's first weight row, counted over all experts (``weight_offset``).
         w_row0 = (expert * n_out + m_tile * cta_rows).to(Int64)
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)
         raw_stage = self.mats * cta_rows * self.row_bytes
         chunks = self.row_bytes // 16                 # 16 B chunks per weight row per stage
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
@@ -213,8 +214,8 @@ class GroupedGemmWgmmaSm90:
                 for i in cutlass.range_constexpr(cta_rows * chunks // 128):
                     flat = i * 128 + tidx
                     r, c = flat // chunks, flat % chunks
-                    src = (w_base + (w_row0 + r) * w_stride
-                           + (kb * self.row_bytes + c * 16).to(Int64))
+                    src = (w_base + weight_offset(w_row0 + r, kb, num_k, self.row_bytes,
+                                                  self.weight_layout) + c * 16)
                     dst = raw + (stage * raw_stage + (mat * cta_rows + r) * self.row_bytes
                                  + c * 16)
                     if issue:

@@ -45,6 +45,7 @@ from cutlass import Float32, Int32, Int64, const_expr, pipeline
 from cutlass.cute.nvgpu import cpasync
 
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
+from .grouped_gemm_layout import weight_offset
 from .grouped_gemm_sm90_convert import (copy_bytes, e4m3_fold_table, e8m0_f32, fence_f32,
                                fp4x8_to_e4m3x8_table)
 from .grouped_gemm_sm90_wgmma import GroupedGemmWgmmaSm90
@@ -186,15 +187,14 @@ class GroupedGemmWgmmaFp8Sm90(GroupedGemmWgmmaSm90):
         atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
         r, half = tidx // 2, tidx % 2
         w_row = (expert * n_out + m_tile * BLOCK_M + r).to(Int64)
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)
+        w_at = weight_offset(w_row, kb, k_in // BLOCK_K, self.row_bytes, self.weight_layout)
         half_bytes = self.row_bytes // 2
         raw_stage = self.mats * BLOCK_M * self.row_bytes
         for mat in cutlass.range_constexpr(self.mats):
             w_base = (mWa if mat == 0 else mWb).iterator.toint()
             s_base = (mSa if mat == 0 else mSb).iterator.toint()
             for c in cutlass.range_constexpr(half_bytes // 16):
-                src = w_base + w_row * w_stride + (kb * self.row_bytes + half * half_bytes
-                                                   + c * 16).to(Int64)
+                src = w_base + w_at + (half * half_bytes + c * 16)
                 dst = raw + (stage * raw_stage + (mat * BLOCK_M + r) * self.row_bytes
                              + half * half_bytes + c * 16)
                 copy_bytes(atom16, 16, src, dst)

@@ -64,6 +64,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .sm90_primitives import cp_async_arrive, store_shared_b32x4, store_shared_f32x4
 from .grouped_gemm_config import BLOCK_K, BLOCK_M, GroupedGemmSm90Config
+from .grouped_gemm_layout import weight_offset
 from .grouped_gemm_sm90_convert import copy_bytes, e8m0_f32
 from .grouped_gemm_sm90_wgmma import DEQUANT_BARRIER
 from .grouped_gemm_sm90_wgmma_fp8 import (CHUNK, GroupedGemmWgmmaFp8Sm90, _fence_operands,
@@ -187,7 +188,7 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             num_bits_per_copy=128)
         atom4 = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.Uint8, num_bits_per_copy=32)
         w_row0 = (expert * n_out + m_tile * cta_rows).to(Int64)
-        w_stride = Int64(k_in * self.row_bytes // BLOCK_K)
+        num_k = k_in // BLOCK_K
         chunks = self.row_bytes // 16             # 16-byte chunks per row and K block
         rows_per_copy = 128 // chunks
         for mat in cutlass.range_constexpr(self.mats):
@@ -195,9 +196,8 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             s_base = (mSa if mat == 0 else mSb).iterator.toint()
             # Copy i: row i * rows_per_copy + tidx / chunks, chunk tidx % chunks: consecutive
             # threads copy consecutive chunks of a row, so each copy instruction reads whole
-            # 32-byte sectors; a running source address (one 64-bit register per matrix).
-            src = (w_base + (w_row0 + tidx // chunks) * w_stride
-                   + (kb * self.row_bytes + (tidx % chunks) * 16).to(Int64))
+            # 32-byte sectors.
+            row = w_row0 + tidx // chunks
             dst = raw + (stage * self.mats + mat) * cta_rows * self.row_bytes + tidx * 16
             if const_expr(self.direct):
                 # Row mat * cta_rows + r of the stage's two A tiles (r = tidx / 8 + 16 i;
@@ -206,8 +206,10 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                 r = tidx // chunks
                 dst = a_tiles + a_chunk_offset(2 * stage, mat * cta_rows + r, tidx % chunks)
             for i in cutlass.range_constexpr(cta_rows * chunks // 128):
+                src = w_base + weight_offset(row + i * rows_per_copy, kb, num_k,
+                                             self.row_bytes, self.weight_layout) + (
+                    tidx % chunks) * 16
                 copy_bytes(atom16, 16, src, dst + i * 128 * 16)
-                src = src + w_stride * rows_per_copy
             # FP4: the row's 4 scale bytes of this K block; FP8: the aligned 4 bytes holding
             # this K block's byte of the (one) row block's scale row.
             slot = (stage * self.mats + mat) * cta_rows + tidx

@@ -64,7 +64,9 @@ def compile_variant(fmt, gated, config, a=64, k=512, n=256, e=4):
                         **({"row_norm_eps": config.row_norm_eps}
                            if config.row_norm_eps is not None else {}),
                         **({"row_blocks": config.row_blocks} if config.row_blocks > 1 else {}),
-                        **({"interleaved_split": True} if config.interleaved_split else {}))
+                        **({"interleaved_split": True} if config.interleaved_split else {}),
+                        **({"weight_layout": config.weight_layout}
+                           if config.weight_layout != "rows" else {}))
 
 
 def run_ptxas(ptx: str, folder) -> tuple[int, str] | None:
