@@ -91,6 +91,9 @@ VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True},
             "interleave": {"interleaved_split": True},
             "nointerleave": {"interleaved_split": False},
             "routedcodes": {"token_codes": "routed"}}
+# Variants of the parameters (the policy unchanged): the routed experts' FP4 weights in the
+# blocked layout (and the config that says so).
+PARAM_VARIANTS = {"blocked": (dj.block_expert_weights, {"expert_layout": "blocked"})}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
                    "noffnsum": {"ffn_sum_in_hc_pre": False},
@@ -112,11 +115,12 @@ def policy_of(value: str) -> KernelPolicy:
     (``GroupedGemmPolicy.interleaved_split``);
     ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
     mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
-    inside the attention op)."""
+    inside the attention op; ``/blocked``: the default policy on the routed experts' weights
+    in the blocked layout, ``params_of``)."""
     value, _, variant = value.partition("/")
-    if variant not in VARIANTS and variant not in POLICY_VARIANTS:
+    if variant not in VARIANTS and variant not in POLICY_VARIANTS | PARAM_VARIANTS:
         raise ValueError(f"--impls: {value}/{variant}: the variants are "
-                         f"{sorted(VARIANTS) + sorted(POLICY_VARIANTS)}")
+                         f"{sorted(VARIANTS) + sorted(POLICY_VARIANTS | PARAM_VARIANTS)}")
     value, _, algorithm = value.partition("+")
     env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
     if algorithm.startswith("prefill:"):
@@ -126,10 +130,31 @@ def policy_of(value: str) -> KernelPolicy:
     policy = KernelPolicy.from_environment(env)
     if variant in POLICY_VARIANTS:
         return dataclasses.replace(policy, **POLICY_VARIANTS[variant])
+    if variant in PARAM_VARIANTS:
+        return policy
     if variant:
         policy = dataclasses.replace(policy, grouped_gemm=dataclasses.replace(
             policy.grouped_gemm, **VARIANTS[variant]))
     return policy
+
+
+def params_of(impl: str, params: dict, converted: dict) -> dict:
+    """The parameters an ``--impls`` entry runs on: ``params``, or for a ``PARAM_VARIANTS``
+    variant their conversion, made once and kept in ``converted``."""
+    variant = impl.partition("/")[2]
+    if variant not in PARAM_VARIANTS:
+        return params
+    if variant not in converted:
+        # Not donated: the other impls run on the originals.
+        converted[variant] = jax.block_until_ready(PARAM_VARIANTS[variant][0](
+            jax.tree.map(jnp.copy, params)))
+    return converted[variant]
+
+
+def config_of(impl: str, cfg: dj.Config) -> dj.Config:
+    """The config an ``--impls`` entry runs: ``cfg``, or the one its parameters need."""
+    variant = impl.partition("/")[2]
+    return cfg.replace(**PARAM_VARIANTS[variant][1]) if variant in PARAM_VARIANTS else cfg
 
 
 def make_step(cfg, policy: KernelPolicy):
@@ -258,7 +283,7 @@ def run_generate(args, base, params_big, out):
              f"floor/layer (ms) | of floor | wall L={big} (ms) | device L={big} (ms) | "
              f"launches L={big} | bytes L={big} (MB) | floor L={big} (ms) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    keep, table = {}, {}
+    keep, table, converted = {}, {}, {}
     for ctx in args.ctxs:
         for batch in args.batches:
             # Every impl's two stacks are compiled first and then timed in turn, repeat by
@@ -266,11 +291,13 @@ def run_generate(args, base, params_big, out):
             runs, params = {}, {}
             for impl in args.impls:
                 for layers in (small, big):
-                    params[layers] = sub_stack(params_big, layers)
+                    params[impl, layers] = sub_stack(params_of(impl, params_big, converted),
+                                                     layers)
                     runs[impl, layers] = figures.generate_loop(
-                        stack_config(base, layers), policy_of(impl), batch, ctx, args.steps)
+                        config_of(impl, stack_config(base, layers)), policy_of(impl), batch,
+                        ctx, args.steps)
             timed = figures.time_interleaved(
-                {key: (lambda budget, run=run, p=params[key[1]]: run.prepare(p, budget))
+                {key: (lambda budget, run=run, p=params[key]: run.prepare(p, budget))
                  for key, run in runs.items()}, batch, args.steps)
             for impl in args.impls:
                 fig = {}
@@ -278,14 +305,14 @@ def run_generate(args, base, params_big, out):
                     run, (wall, _), first_s = runs[impl, layers], *timed[impl, layers]
                     by_op, op_launches = collections.Counter(), collections.Counter()
                     dev_us, launches, totals, counts = figures.generate_profile(
-                        run, params[layers], by_op=by_op, op_launches=op_launches)
+                        run, params[impl, layers], by_op=by_op, op_launches=op_launches)
                     fig[layers] = (wall, dev_us / 1e6, launches)
                     print(f"generate {impl} ctx={ctx} batch={batch} L={layers}: wall "
                           f"{wall * 1e3:.3f} ms/step, device {dev_us / 1e3:.3f} ms/step, "
                           f"{launches:.0f} launches/step (compile+first {first_s:.0f} s)",
                           flush=True)
                     if layers == big and batch in args.attribute_batches and ctx == args.ctxs[0]:
-                        hlo = run.hlo(params[layers])
+                        hlo = run.hlo(params[impl, layers])
                         rows = figures.attribute(totals, counts, hlo, figures.PROFILE_STEPS - 1)
                         if args.out:
                             stem = os.path.splitext(args.out)[0]

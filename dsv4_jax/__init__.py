@@ -27,6 +27,7 @@ _EXPORTS = {
     "init_params": (".params", "init_params"),
     "abstract_params": (".params", "abstract_params"),
     "param_count": (".params", "param_count"),
+    "block_expert_weights": (".params", "block_expert_weights"),
     "sampling": (".sampling", None),
     "introspect": (".introspect", None),
     "Greedy": (".sampling", "Greedy"),
@@ -47,7 +48,7 @@ _EXPORTS = {
 }
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
-           "param_count", "generate", "stream", "GenerationOptions", "ChatOptions", "Greedy",
+           "param_count", "block_expert_weights", "generate", "stream", "GenerationOptions", "ChatOptions", "Greedy",
            "Temperature", "TopK", "TopP", "MinP", "sampling", "introspect", "encode_chat",
            "parse_completion", "KernelPolicy", "GroupedGemmPolicy"]
 

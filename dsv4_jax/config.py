@@ -14,6 +14,7 @@ _KINDS = {0: "swa", CSA_RATIO: "csa", HCA_RATIO: "hca"}
 _RATIOS = tuple(_KINDS)
 _DTYPES = ("bfloat16", "float32")
 _EXPERT_DTYPES = ("fp4", "fp8")
+_EXPERT_LAYOUTS = ("rows", "blocked")
 
 
 def _doc(text: str, default: Any = dataclasses.MISSING, **kw):
@@ -72,6 +73,12 @@ class Config:
         "Keep weights in checkpoint precision: FP8 e4m3 + E8M0 128x128 scales for the FP8 "
         "families, routed experts per expert_dtype. False: plain weights in `dtype`.", False)
     expert_dtype: str = _doc("Routed-expert storage when quantized: 'fp4' (MXFP4, 1x32 E8M0) or 'fp8'.", "fp4")
+    expert_layout: str = _doc(
+        "How packed FP4 routed-expert weights lie in memory: 'rows' ([E, out, in/2], the "
+        "checkpoints' layout) or 'blocked' ([E, out/64, in/128, 64, 64]: contiguous 64-row x "
+        "128-code tiles, which the decode kernels read faster; the same values). "
+        "`load(..., expert_layout='blocked')` and `dsv4_jax.block_expert_weights` convert.",
+        "rows")
     quant_simulation: bool = _doc(
         "Reproduce the official quantisation steps: FP8 activations before FP8/FP4 GEMMs, FP8 "
         "simulation of KV entries, FP4 simulation of indexer queries/keys. False skips them all "
@@ -125,6 +132,12 @@ class Config:
         need(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         need(self.expert_dtype in _EXPERT_DTYPES,
              f"expert_dtype must be one of {_EXPERT_DTYPES}, got {self.expert_dtype!r}")
+        need(self.expert_layout in _EXPERT_LAYOUTS,
+             f"expert_layout must be one of {_EXPERT_LAYOUTS}, got {self.expert_layout!r}")
+        need(self.expert_layout == "rows" or (self.quantized and self.expert_dtype == "fp4"),
+             f"expert_layout 'blocked' is a layout of packed FP4 experts (quantized=True, "
+             f"expert_dtype='fp4'); got quantized={self.quantized}, "
+             f"expert_dtype={self.expert_dtype!r}")
         need(self.dim % 128 == 0 and self.q_lora_rank % 128 == 0 and self.moe_inter_dim % 128 == 0
              and self.o_lora_rank % 128 == 0,
              "dim, q_lora_rank, o_lora_rank and moe_inter_dim must be multiples of 128 "

@@ -18,11 +18,12 @@ import jax.numpy as jnp
 
 from .cache import Cache
 from .config import Config
+from . import quant
 from .quant import FP4_CODE_VALUES
 from .models.layers import FP4_CODE_STD, FP8_CODE_STD
 from .models.transformer import DSV4
 
-__all__ = ["init_params", "abstract_params", "param_count", "leaf_keys"]
+__all__ = ["init_params", "abstract_params", "param_count", "leaf_keys", "block_expert_weights"]
 
 
 def _init(cfg: Config, key):
@@ -83,7 +84,7 @@ def leaf_rule(keys: tuple, leaf) -> tuple:
 
 
 def _fan_in(weight_leaf) -> int:
-    n = weight_leaf.shape[-1]
+    n = quant.matrix_dims(weight_leaf)[-1]
     return n * 2 if jnp.dtype(weight_leaf.dtype) == jnp.int8 else n
 
 
@@ -199,6 +200,32 @@ def init_params(cfg: Config, key, *, shardings=None) -> dict:
                         dtype=jnp.dtype(leaf.dtype), n_experts=cfg.n_routed_experts,
                         code_std=code_std))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _is_expert_weight(keys: tuple) -> bool:
+    return (len(keys) >= 4 and keys[-1] == "weight" and keys[-2] in ("w1", "w2", "w3")
+            and keys[-3] == "experts")
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _block_donated(weight):
+    return quant.block_fp4_weight(weight)
+
+
+def block_expert_weights(params: dict) -> dict:
+    """``params`` with every packed FP4 routed-expert weight (``.../experts/w{1,2,3}/weight``
+    ``[E, out, in/2]``) in the blocked layout (``quant.block_fp4_weight``: 64-row x 128-code
+    tiles, contiguous): the same values, which every op and kernel reads; the decode kernels
+    read it faster (docs/performance.md). Leaf by leaf on the leaves' devices and shardings,
+    each input donated (peak: one leaf more). Weights already blocked, other formats and
+    other leaves are returned as they are. Save checkpoints from row-layout parameters:
+    ``abstract_params`` describes those."""
+    def convert(path, leaf):
+        if (_is_expert_weight(leaf_keys(path)) and leaf.ndim == 3
+                and jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))):
+            return _block_donated(leaf)
+        return leaf
+    return jax.tree_util.tree_map_with_path(convert, params)
 
 
 def param_count(params_or_cfg, *, include_mtp: bool = True) -> int:

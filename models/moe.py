@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from dsv4_jax import quant
 from dsv4_jax.config import Config
 from dsv4_jax.ffi.ffn_sum import FfnSum
 from dsv4_jax.ffi.moe import moe_expert_rows, moe_experts, swiglu
@@ -89,7 +90,8 @@ class StackedWeight(nn.Module):
         if not cfg.quantized:
             return self.param("weight", normal_init(std), (e, o, i), act_dtype(cfg)), None
         if cfg.expert_dtype == "fp4":
-            w = self.param("weight", fp4_packed_init, (e, o, i // 2))
+            fmt = quant.FP4_BLOCKED if cfg.expert_layout == "blocked" else quant.FP4
+            w = self.param("weight", fp4_packed_init, (e, *fmt.stored_shape(o, i)))
             s = self.param("scale", pow2_scale_init(std, FP4_CODE_STD), (e, o, i // 32))
         else:
             w = self.param("weight", fp8_codes_init, (e, o, i))

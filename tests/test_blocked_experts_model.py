@@ -1,0 +1,111 @@
+"""The model on blocked FP4 experts (``Config.expert_layout="blocked"``): parameters in that
+layout give the same logits as the row layout they came from, ``load`` converts a checkpoint
+to it, ``save`` refuses it, the config refuses it where no packed FP4 experts exist, and the
+model's decode and prefill steps lowered for CUDA run the MoE kernels straight on the tiles
+(no transpose of them into rows)."""
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import dsv4_jax as dj
+from dsv4_jax import quant
+from dsv4_jax.checkpoints.testing import tiny_config, write_tiny_checkpoint
+from dsv4_jax.ffi import dispatch
+from dsv4_jax.ffi.policy import KernelPolicy
+from dsv4_jax.params import abstract_params
+
+CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
+OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
+                           "hc_pre": "xla", "hc_split_sinkhorn": "xla", "hc_stream_mixes": "xla",
+                           "moe_router": "xla"}
+
+
+def _expert_weights(params):
+    return {path: leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+            if "['experts']" in jax.tree_util.keystr(path)
+            and jax.tree_util.keystr(path).endswith("['weight']")}
+
+
+def test_block_expert_weights_converts_only_the_fp4_expert_weights():
+    cfg = dj.Config.tiny(quantized=True)
+    params = dj.init_params(cfg, 0)
+    blocked = dj.block_expert_weights(jax.tree.map(jnp.copy, params))
+    want = abstract_params(cfg.replace(expert_layout="blocked"))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), blocked) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want)
+    experts = _expert_weights(blocked)
+    assert experts and all(w.ndim == 5 for w in experts.values())
+    again = dj.block_expert_weights(blocked)            # already blocked: unchanged
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(blocked)))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_blocked_experts_give_the_logits_of_rows(tokens):
+    cfg = dj.Config.tiny(quantized=True)
+    params = dj.init_params(cfg, 1)
+    blocked_cfg = cfg.replace(expert_layout="blocked")
+    blocked = dj.block_expert_weights(jax.tree.map(jnp.copy, params))
+    tok = (3 + 11 * jnp.arange(2 * tokens, dtype=jnp.int32).reshape(2, tokens)) % cfg.vocab_size
+
+    def logits(c, p):
+        cache = dj.Cache.init(c, 2, 64)
+        out, _ = dj.DSV4(c).apply({"params": p}, tok, cache)
+        return np.asarray(out, np.float32)
+    np.testing.assert_array_equal(logits(blocked_cfg, blocked), logits(cfg, params))
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(quantized=False), "quantized=False"),
+    (dict(quantized=True, expert_dtype="fp8"), "expert_dtype='fp8'")])
+def test_config_refuses_blocked_without_fp4_experts(kw, why):
+    with pytest.raises(ValueError, match=r"expert_layout 'blocked' is a layout of packed FP4 "
+                                         r"experts .*" + re.escape(why)):
+        dj.Config.tiny(expert_layout="blocked", **kw)
+    with pytest.raises(ValueError, match=r"expert_layout must be one of \('rows', 'blocked'\)"):
+        dj.Config.tiny(quantized=True, expert_layout="tiles")
+
+
+def test_load_converts_and_save_refuses(tmp_path):
+    cfg = tiny_config()
+    write_tiny_checkpoint(tmp_path / "hf", cfg)
+    model, rows = dj.load(tmp_path / "hf")
+    blocked_model, blocked = dj.load(tmp_path / "hf", expert_layout="blocked")
+    assert model.config.expert_layout == "rows"
+    assert blocked_model.config == model.config.replace(expert_layout="blocked")
+    for (path, w), b in zip(_expert_weights(rows).items(), _expert_weights(blocked).values()):
+        np.testing.assert_array_equal(np.asarray(quant.block_fp4_weight(w)), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
+    with pytest.raises(ValueError, match=r"save: config.expert_layout is 'blocked'; "
+                                         r"checkpoints hold the experts in the 'rows' layout"):
+        dj.save(tmp_path / "orbax", blocked, blocked_model.config)
+    with pytest.raises(ValueError, match=r"load: expert_layout must be 'rows' or 'blocked', "
+                                         r"got 'tiles'"):
+        dj.load(tmp_path / "hf", expert_layout="tiles")
+
+
+def _lower(cfg, tokens, ops, batch=2):
+    model = dj.DSV4(cfg, implementation=KernelPolicy(ops=ops), runtime_checks=False)
+    params = abstract_params(cfg)
+    cache = jax.eval_shape(lambda: dj.Cache.init(cfg, batch, 512))
+    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
+                   donate_argnums=(2,))
+    with dispatch.cuda_target():
+        return step.trace(params, tok, cache).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("tokens", [1, 264])
+def test_model_steps_run_the_moe_kernels_on_the_tiles(tokens):
+    cfg = dj.Config.tiny(quantized=True, expert_layout="blocked")
+    text = _lower(cfg, tokens, OTHER_OPS_ON_REFERENCES)
+    assert CUSTOM_CALL in text and "GroupedGemm" in text
+    # The kernels read the tiles: no transpose of a 5-D byte array (unblocking) is lowered,
+    # as the reference's is.
+    five_d_bytes = re.compile(r"stablehlo\.transpose.*tensor<\d+x\d+x\d+x64x64xu?i8>")
+    assert not five_d_bytes.search(text)
+    reference = _lower(cfg, tokens, OTHER_OPS_ON_REFERENCES | {"moe_experts": "xla"})
+    assert CUSTOM_CALL not in reference and five_d_bytes.search(reference)
