@@ -39,7 +39,8 @@ def check_weight(op: str, name: str, w, groups: int, out_f: int, in_f: int) -> W
         if fmt.name == "fp4":
             packed = (" (FP4 blocked: [E, out/64, in/128, 64, 64] bytes)"
                       if fmt.layout == "blocked" else " (FP4: two codes per byte)")
-        raise ValueError(f"{op}: {name} weight must be [{', '.join(map(str, want))}]"
+        raise ValueError(f"{op}: {name} weight must be [E={groups}, "
+                         f"{', '.join(map(str, want[1:]))}]"
                          f"{packed}; {describe(name, weight)}")
     if not fmt.quantized:
         return fmt
@@ -79,8 +80,8 @@ def check_grouped_gemm_args(x, group_ids, w, w_up=None, row_weights=None) -> Wei
     rows, k = x.shape
     if (not isinstance(w, (tuple, list)) or len(w) != 2
             or getattr(w[0], "ndim", 0) not in (3, 5)):
-        raise ValueError(f"{op}: w must be a (weight [G, N, K] or blocked FP4 [G, N/64, "
-                         f"K/128, 64, 64], scale) pair; got "
+        raise ValueError(f"{op}: w must be a (weight [G, N, K], scale) pair (blocked FP4: "
+                         f"[G, N/64, K/128, 64, 64]); got "
                          + (describe("w", w[0]) if isinstance(w, (tuple, list)) and w
                             and hasattr(w[0], "shape") else type(w).__name__))
     groups, n = matrix_dims(w[0])[:2]
@@ -139,8 +140,8 @@ def check_pair_args(x, group_ids, w, w_next) -> None:
     op = "grouped_gemm_pair"
     if (not isinstance(w_next, (tuple, list)) or len(w_next) != 2
             or getattr(w_next[0], "ndim", 0) not in (3, 5)):
-        raise ValueError(f"{op}: w_next must be a (weight [G, N_next, K] or blocked FP4, "
-                         f"scale) pair; got "
+        raise ValueError(f"{op}: w_next must be a (weight [G, N_next, K], scale) pair "
+                         f"(blocked FP4: [G, N_next/64, K/128, 64, 64]); got "
                          + (describe("w_next", w_next[0])
                             if isinstance(w_next, (tuple, list)) and w_next
                             and hasattr(w_next[0], "shape") else type(w_next).__name__))

@@ -42,8 +42,8 @@ def check_moe_args(x, idx, weights, w1, w3, w2, *, op: str = "moe_experts"):
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         if (not isinstance(w, (tuple, list)) or len(w) != 2
                 or getattr(w[0], "ndim", 0) not in (3, 5)):
-            raise ValueError(f"{op}: {name} must be a (weight [E, out, in] or blocked FP4 "
-                             f"[E, out/64, in/128, 64, 64], scale) pair; got "
+            raise ValueError(f"{op}: {name} must be a (weight [E, out, in], scale) pair "
+                             f"(blocked FP4: [E, out/64, in/128, 64, 64]); got "
                              + (describe(name, w[0]) if isinstance(w, (tuple, list)) and w
                                 and hasattr(w[0], "shape") else type(w).__name__))
     e, inter = matrix_dims(w1[0])[:2]

@@ -97,7 +97,7 @@ def test_checks_name_a_wrong_blocked_weight():
     w, s = _fp4(2, 128, 256)
     x = jnp.zeros((4, 256), jnp.bfloat16)
     wide = jnp.zeros((4, 512), jnp.bfloat16)                      # K = 512, w has 256
-    with pytest.raises(ValueError, match=r"grouped_gemm: w weight must be \[2, 2, 4, 64, 64\] "
+    with pytest.raises(ValueError, match=r"grouped_gemm: w weight must be \[E=2, 2, 4, 64, 64\] "
                                          r"\(FP4 blocked: \[E, out/64, in/128, 64, 64\] "
                                          r"bytes\); w has shape \(2, 2, 2, 64, 64\)"):
         grouped_gemm_reference(wide, None, (quant.block_fp4_weight(w), s), simulate=True)
