@@ -196,8 +196,12 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
             s_base = (mSa if mat == 0 else mSb).iterator.toint()
             # Copy i: row i * rows_per_copy + tidx / chunks, chunk tidx % chunks: consecutive
             # threads copy consecutive chunks of a row, so each copy instruction reads whole
-            # 32-byte sectors.
-            row = w_row0 + tidx // chunks
+            # 32-byte sectors. Copy i's row lies i * rows_per_copy rows further on: as the
+            # tile's first row is a multiple of 64 and this thread's is below rows_per_copy
+            # (a divisor of 64), the offset between them is that of row i * rows_per_copy
+            # from row 0, in either layout -- a constant step, not a new address per copy.
+            src = w_base + weight_offset(w_row0 + tidx // chunks, kb, num_k, self.row_bytes,
+                                         self.weight_layout) + (tidx % chunks) * 16
             dst = raw + (stage * self.mats + mat) * cta_rows * self.row_bytes + tidx * 16
             if const_expr(self.direct):
                 # Row mat * cta_rows + r of the stage's two A tiles (r = tidx / 8 + 16 i;
@@ -206,10 +210,9 @@ class GroupedGemmWgmmaFp8CoopSm90(GroupedGemmWgmmaFp8Sm90):
                 r = tidx // chunks
                 dst = a_tiles + a_chunk_offset(2 * stage, mat * cta_rows + r, tidx % chunks)
             for i in cutlass.range_constexpr(cta_rows * chunks // 128):
-                src = w_base + weight_offset(row + i * rows_per_copy, kb, num_k,
-                                             self.row_bytes, self.weight_layout) + (
-                    tidx % chunks) * 16
-                copy_bytes(atom16, 16, src, dst + i * 128 * 16)
+                step = weight_offset(i * rows_per_copy, 0, num_k, self.row_bytes,
+                                     self.weight_layout)
+                copy_bytes(atom16, 16, src + step, dst + i * 128 * 16)
             # FP4: the row's 4 scale bytes of this K block; FP8: the aligned 4 bytes holding
             # this K block's byte of the (one) row block's scale row.
             slot = (stage * self.mats + mat) * cta_rows + tidx
