@@ -11,7 +11,12 @@ CUTE_CALL = "custom_call @CuteDSLRT"
 
 def lower_decode_step(model, cfg, cache, batch: int = 2) -> str:
     """StableHLO text of one decode token per row of ``cache`` (abstract parameters)."""
-    tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    return lower_step(model, cfg, cache, batch)
+
+
+def lower_step(model, cfg, cache, batch: int = 2, tokens: int = 1) -> str:
+    """StableHLO text of ``tokens`` tokens per row of ``cache`` (abstract parameters)."""
+    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"))
     with dispatch.cuda_target():
         return step.trace(abstract_params(cfg), tok, cache).lower(

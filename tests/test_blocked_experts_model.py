@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import dsv4_jax as dj
 from dsv4_jax import quant
 from dsv4_jax.checkpoints.testing import tiny_config, write_tiny_checkpoint
-from dsv4_jax.ffi import dispatch
 from dsv4_jax.ffi.policy import KernelPolicy
 from dsv4_jax.params import abstract_params
+from model_lowering import lower_step
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
 OTHER_OPS_ON_REFERENCES = {"sparse_attention": "xla", "grouped_gemm": "xla",
@@ -89,13 +89,8 @@ def test_load_converts_and_save_refuses(tmp_path):
 
 def _lower(cfg, tokens, ops, batch=2):
     model = dj.DSV4(cfg, implementation=KernelPolicy(ops=ops), runtime_checks=False)
-    params = abstract_params(cfg)
     cache = jax.eval_shape(lambda: dj.Cache.init(cfg, batch, 512))
-    tok = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
-    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, logits_at="last"),
-                   donate_argnums=(2,))
-    with dispatch.cuda_target():
-        return step.trace(params, tok, cache).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_step(model, cfg, cache, batch, tokens)
 
 
 @pytest.mark.parametrize("tokens", [1, 264])
