@@ -40,6 +40,7 @@ import argparse
 import collections
 import dataclasses
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -93,7 +94,9 @@ VARIANTS = {"": {}, "unpaired": {"pair_linears": False}, "pdl": {"pdl": True},
             "routedcodes": {"token_codes": "routed"}}
 # Variants of the parameters (the policy unchanged): the routed experts' FP4 weights in the
 # blocked layout (and the config that says so).
-PARAM_VARIANTS = {"blocked": (dj.block_expert_weights, {"expert_layout": "blocked"})}
+# Not donated: the other impls run on the originals.
+PARAM_VARIANTS = {"blocked": (functools.partial(dj.block_expert_weights, donate=False),
+                              {"expert_layout": "blocked"})}
 # Variants of the KernelPolicy itself (not of its grouped-GEMM policy).
 POLICY_VARIANTS = {"ffnsum": {"ffn_sum_in_hc_pre": True},
                    "noffnsum": {"ffn_sum_in_hc_pre": False},
@@ -145,9 +148,7 @@ def params_of(impl: str, params: dict, converted: dict) -> dict:
     if variant not in PARAM_VARIANTS:
         return params
     if variant not in converted:
-        # Not donated: the other impls run on the originals.
-        converted[variant] = jax.block_until_ready(PARAM_VARIANTS[variant][0](
-            jax.tree.map(jnp.copy, params)))
+        converted[variant] = jax.block_until_ready(PARAM_VARIANTS[variant][0](params))
     return converted[variant]
 
 

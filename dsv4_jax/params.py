@@ -212,18 +212,22 @@ def _block_donated(weight):
     return quant.block_fp4_weight(weight)
 
 
-def block_expert_weights(params: dict) -> dict:
+_block_kept = jax.jit(quant.block_fp4_weight)
+
+
+def block_expert_weights(params: dict, *, donate: bool = True) -> dict:
     """``params`` with every packed FP4 routed-expert weight (``.../experts/w{1,2,3}/weight``
     ``[E, out, in/2]``) in the blocked layout (``quant.block_fp4_weight``: 64-row x 128-code
     tiles, contiguous): the same values, which every op and kernel reads; the decode kernels
     read it faster (docs/performance.md). Leaf by leaf on the leaves' devices and shardings,
-    each input donated (peak: one leaf more). Weights already blocked, other formats and
-    other leaves are returned as they are. Save checkpoints from row-layout parameters:
+    each input donated (peak: one leaf more; ``donate=False`` keeps the inputs, for
+    comparing both layouts, at the cost of a second copy of the expert weights). Weights
+    already blocked, other formats and other leaves are returned as they are. Save checkpoints from row-layout parameters:
     ``abstract_params`` describes those."""
     def convert(path, leaf):
         if (_is_expert_weight(leaf_keys(path)) and leaf.ndim == 3
                 and jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))):
-            return _block_donated(leaf)
+            return _block_donated(leaf) if donate else _block_kept(leaf)
         return leaf
     return jax.tree_util.tree_map_with_path(convert, params)
 

@@ -43,6 +43,19 @@ def test_block_expert_weights_converts_only_the_fp4_expert_weights():
     assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(blocked)))
 
 
+def test_block_expert_weights_without_donation_keeps_the_inputs():
+    params = dj.init_params(dj.Config.tiny(quantized=True), 0)
+    kept = dj.block_expert_weights(params, donate=False)
+    donated = dj.block_expert_weights(jax.tree.map(jnp.copy, params))
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(donated)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for (path, row), blocked in zip(_expert_weights(params).items(),
+                                    _expert_weights(kept).values()):
+        np.testing.assert_array_equal(np.asarray(quant.unblock_fp4_weight(blocked)),
+                                      np.asarray(row), err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_blocked_experts_give_the_logits_of_rows(tokens):
     cfg = dj.Config.tiny(quantized=True)
