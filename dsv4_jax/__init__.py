@@ -28,6 +28,7 @@ _EXPORTS = {
     "abstract_params": (".params", "abstract_params"),
     "param_count": (".params", "param_count"),
     "block_expert_weights": (".params", "block_expert_weights"),
+    "can_block_expert_weights": (".params", "can_block_expert_weights"),
     "sampling": (".sampling", None),
     "introspect": (".introspect", None),
     "Greedy": (".sampling", "Greedy"),
@@ -48,7 +49,7 @@ _EXPORTS = {
 }
 
 __all__ = ["Config", "Cache", "LayerCache", "DSV4", "init_params", "abstract_params", "load", "save",
-           "param_count", "block_expert_weights", "generate", "stream", "GenerationOptions", "ChatOptions", "Greedy",
+           "param_count", "block_expert_weights", "can_block_expert_weights", "generate", "stream", "GenerationOptions", "ChatOptions", "Greedy",
            "Temperature", "TopK", "TopP", "MinP", "sampling", "introspect", "encode_chat",
            "parse_completion", "KernelPolicy", "GroupedGemmPolicy"]
 

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from .cache import Cache
 from .config import Config
@@ -207,12 +208,49 @@ def _is_expert_weight(keys: tuple) -> bool:
             and keys[-3] == "experts")
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _block_donated(weight):
-    return quant.block_fp4_weight(weight)
+@functools.cache
+def _per_shard(convert, donate: bool, sharding):
+    """``convert`` (the layout change of one expert weight) jitted. For a ``NamedSharding``
+    leaf each device converts its own shard (whole tiles), so the leaf stays where it was
+    placed with no resharding, under any mesh axis type: a row-layout spec ``(E, out, in)``
+    means the same on the tiles' leading dims (experts, row tiles, K tiles)."""
+    if sharding is not None:
+        convert = jax.shard_map(convert, mesh=sharding.mesh, in_specs=sharding.spec,
+                                out_specs=sharding.spec)
+    return jax.jit(convert, donate_argnums=0 if donate else (), out_shardings=sharding)
 
 
-_block_kept = jax.jit(quant.block_fp4_weight)
+def _named_sharding(leaf):
+    return leaf.sharding if isinstance(leaf.sharding, NamedSharding) else None
+
+
+def _is_row_fp4_expert_weight(path, leaf) -> bool:
+    return (_is_expert_weight(leaf_keys(path)) and leaf.ndim == 3
+            and jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)))
+
+
+def _block_leaf(path, leaf, donate: bool):
+    sharding = _named_sharding(leaf)
+    if sharding is not None and not quant.can_block_fp4(sharding.shard_shape(leaf.shape)):
+        raise ValueError(
+            f"block_expert_weights: {jax.tree_util.keystr(path)} {tuple(leaf.shape)} on "
+            f"{sharding.spec} has shards {sharding.shard_shape(leaf.shape)}, not whole 64-row "
+            f"x 128-code tiles: shard the experts' dim 0 only, or keep expert_layout='rows'")
+    return _per_shard(quant.block_fp4_weight, donate, sharding)(leaf)
+
+
+def can_block_expert_weights(params: dict) -> bool:
+    """Whether ``block_expert_weights`` can convert every packed FP4 routed-expert weight of
+    ``params`` where it lies (each shard whole tiles); False when there is none."""
+    found = False
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if _is_row_fp4_expert_weight(path, leaf):
+            sharding = _named_sharding(leaf)
+            shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
+            if not quant.can_block_fp4(shape):
+                return False
+            found = True
+    return found
 
 
 def block_expert_weights(params: dict, *, donate: bool = True) -> dict:
@@ -221,13 +259,24 @@ def block_expert_weights(params: dict, *, donate: bool = True) -> dict:
     tiles, contiguous): the same values, which every op and kernel reads; the decode kernels
     read it faster (docs/performance.md). Leaf by leaf on the leaves' devices and shardings,
     each input donated (peak: one leaf more; ``donate=False`` keeps the inputs, for
-    comparing both layouts, at the cost of a second copy of the expert weights). Weights
-    already blocked, other formats and other leaves are returned as they are. Save checkpoints from row-layout parameters:
-    ``abstract_params`` describes those."""
+    comparing both layouts, at the cost of a second copy of the expert weights). Each
+    device converts its own shard, which must be whole tiles (``can_block_expert_weights``;
+    else a ``ValueError`` naming the leaf). Weights already blocked, other formats and other
+    leaves are returned as they are. ``save`` writes blocked experts as rows."""
     def convert(path, leaf):
-        if (_is_expert_weight(leaf_keys(path)) and leaf.ndim == 3
-                and jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))):
-            return _block_donated(leaf) if donate else _block_kept(leaf)
+        if _is_row_fp4_expert_weight(path, leaf):
+            return _block_leaf(path, leaf, donate)
+        return leaf
+    return jax.tree_util.tree_map_with_path(convert, params)
+
+
+def unblock_expert_weights(params: dict) -> dict:
+    """The inverse of ``block_expert_weights``: ``params`` (a tree or any subtree of one)
+    with every blocked FP4 routed-expert weight back in the checkpoints' row layout
+    ``[E, out, in/2]``, as new arrays (the inputs are kept); other leaves as they are."""
+    def convert(path, leaf):
+        if _is_expert_weight(leaf_keys(path)) and quant.is_blocked_fp4(leaf):
+            return _per_shard(quant.unblock_fp4_weight, False, _named_sharding(leaf))(leaf)
         return leaf
     return jax.tree_util.tree_map_with_path(convert, params)
 

@@ -155,12 +155,17 @@ def pack_fp4(values: jax.Array) -> jax.Array:
 FP4_TILE = (64, 64)       # (rows, bytes) of one tile
 
 
+def can_block_fp4(shape) -> bool:
+    """Whether packed FP4 of ``shape`` ``[..., out, in/2]`` is whole 64-row x 128-code tiles."""
+    return len(shape) >= 2 and shape[-2] % FP4_TILE[0] == 0 and shape[-1] % FP4_TILE[1] == 0
+
+
 def block_fp4_weight(packed: jax.Array) -> jax.Array:
     """Packed FP4 ``[..., out, in/2]`` -> the same bytes in the "blocked" layout
     ``[..., out/64, in/128, 64, 64]`` (a copy, made once when weights are loaded)."""
     *lead, out_f, half_in = packed.shape
     rows, cols = FP4_TILE
-    if out_f % rows or half_in % cols:
+    if not can_block_fp4(packed.shape):
         raise ValueError(f"block_fp4_weight: packed FP4 [..., out, in/2] needs out a multiple "
                          f"of {rows} and in a multiple of {2 * cols}; got shape "
                          f"{tuple(packed.shape)}")
