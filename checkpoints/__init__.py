@@ -2,9 +2,10 @@
 
     import dsv4_jax as dj
     model, params = dj.load("DeepSeek-V4-Flash")            # HF dir: FP8/FP4 kept quantized
+                                                             # (FP4 experts in decode tiles)
     model, params = dj.load(path, dequantize=True)           # plain BF16 weights instead
     model, params = dj.load(path, shardings=fn_or_tree)      # each leaf onto its sharding
-    model, params = dj.load(path, expert_layout="blocked")   # FP4 experts in decode tiles
+    model, params = dj.load(path, expert_layout="rows")      # FP4 experts as the files hold them
     dj.save("flash-orbax", params, model.config)             # then dj.load("flash-orbax")
 
 ``python -m dsv4_jax convert SRC DST`` writes the orbax form of an HF directory.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import os
 
 from dsv4_jax.ffi.policy import KernelPolicy
-from dsv4_jax.params import block_expert_weights
+from dsv4_jax.params import block_expert_weights, can_block_expert_weights
 from dsv4_jax.models.transformer import DSV4
 from .hf import load_hf
 from .orbax_io import is_orbax_dir, load_orbax, save as _save
@@ -28,7 +29,8 @@ __all__ = ["load", "save", "CheckpointError"]
 
 
 def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=None,
-         progress=None, implementation=None, **config_overrides):
+         progress=None, implementation=None, expert_layout: str | None = None,
+         **config_overrides):
     """``(model, params)`` from an official HF directory or a ``save`` (orbax) directory.
 
     HF directories (``config.json`` + ``*.safetensors`` + ``model.safetensors.index.json``)
@@ -54,10 +56,15 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
       implementation: the returned model's ``implementation`` (see ``DSV4``); None takes
         ``KernelPolicy.from_environment()`` -- ``DSV4_IMPLEMENTATION`` and the kernel
         variables, the defaults when none is set.
+      expert_layout: ``Config.expert_layout`` of the returned model. None (the default):
+        ``"blocked"`` for packed FP4 routed experts (the layout the decode kernels read
+        fastest, docs/performance.md) whose shards are whole 64-row x 128-code tiles (the
+        rule table's are), ``"rows"`` otherwise. ``"blocked"`` for other
+        experts is a ``ValueError``. Blocked experts are read as the files hold them (rows)
+        and converted leaf by leaf (``block_expert_weights``: one leaf of extra memory;
+        ``shardings`` trees describe the files' row layout).
       **config_overrides: ``Config`` fields to change (e.g. ``quant_simulation=False``);
-        unknown or mistyped fields raise ``TypeError``. ``expert_layout="blocked"``: the
-        packed FP4 experts are read as the files hold them and then converted leaf by leaf
-        (``block_expert_weights``; ``shardings`` trees describe the files' row layout).
+        unknown or mistyped fields raise ``TypeError``.
 
     Raises ``FileNotFoundError`` (no such path / files), ``CheckpointError`` (a
     ``ValueError``: missing, unexpected, mis-shaped or corrupt tensors; incompatible orbax
@@ -71,9 +78,9 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
         raise FileNotFoundError(f"load: {path!r} does not exist")
     if not os.path.isdir(path):
         raise ValueError(f"load: {path!r} is a file; pass the checkpoint directory")
-    layout = config_overrides.pop("expert_layout", "rows")
-    if layout not in ("rows", "blocked"):
-        raise ValueError(f"load: expert_layout must be 'rows' or 'blocked', got {layout!r}")
+    if expert_layout not in (None, "rows", "blocked"):
+        raise ValueError(f"load: expert_layout must be None, 'rows' or 'blocked', "
+                         f"got {expert_layout!r}")
     kwargs = dict(dequantize=dequantize, shardings=shardings, mesh=mesh, dtype=dtype,
                   progress=progress, overrides=config_overrides)
     if is_orbax_dir(path):
@@ -83,7 +90,12 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
     else:
         raise FileNotFoundError(f"load: {path!r} has neither config.json (HF checkpoint) nor "
                                 "dsv4_config.json (orbax checkpoint written by dsv4_jax.save)")
-    if layout == "blocked":
+    if expert_layout is None:
+        # Blocked where the experts are packed FP4 and each device's shard is whole tiles
+        # (the rule table's placements are); other placements keep the files' rows.
+        fp4 = cfg.quantized and cfg.expert_dtype == "fp4"
+        expert_layout = "blocked" if fp4 and can_block_expert_weights(params) else "rows"
+    if expert_layout == "blocked":
         cfg = cfg.replace(expert_layout="blocked")        # ValueError unless FP4 experts
         params = block_expert_weights(params)
     return DSV4(cfg, mesh=mesh, implementation=policy), params
@@ -93,10 +105,6 @@ def save(path, params, config, *, overwrite: bool = False, progress=None) -> str
     """Write ``params`` of ``DSV4(config)`` as an orbax checkpoint that ``load`` reads back
     bit for bit (dtypes included). ``FileExistsError`` for a non-empty ``path`` unless
     ``overwrite`` (only ever replaces a previous dsv4_jax checkpoint). Checkpoints hold the
-    experts in the row layout: a config with ``expert_layout="blocked"`` is a ``ValueError``
-    (save the parameters as loaded; ``load(..., expert_layout="blocked")`` converts)."""
-    if getattr(config, "expert_layout", "rows") != "rows":
-        raise ValueError(f"save: config.expert_layout is {config.expert_layout!r}; checkpoints "
-                         f"hold the experts in the 'rows' layout (save the parameters as "
-                         f"loaded, and load(..., expert_layout='blocked') to convert)")
+    experts in the row layout: blocked experts (``config.expert_layout="blocked"``) are
+    written as rows, one group at a time, and ``load`` blocks them again."""
     return _save(path, params, config, overwrite=overwrite, progress=progress)

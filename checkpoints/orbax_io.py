@@ -25,7 +25,7 @@ import numpy as np
 
 from dsv4_jax.config import Config
 from dsv4_jax import quant
-from dsv4_jax.params import abstract_params
+from dsv4_jax.params import abstract_params, unblock_expert_weights
 from . import precision
 from .common import (GLOBALS_GROUP, checkpoint_precision, flat_leaves, group_of, group_subtree,
                      leaf_shardings, merge_groups, progress_bar, raise_if, replicated_like,
@@ -58,8 +58,14 @@ def save(path, params, config: Config, *, overwrite: bool = False, progress=None
     raise_if(tree_differences(shape_map(abstract_params(config)), shape_map(params), "params"),
              "save: params do not match the config's parameter tree:")
     groups = split_groups(params)
+    n_groups = len(groups)
+    if config.expert_layout == "blocked":
+        # Checkpoints hold the experts in rows: unblock one group at a time while writing,
+        # so the extra memory is one group's expert weights.
+        groups = ((group, unblock_expert_weights(subtree)) for group, subtree in groups)
+        config = dataclasses.replace(config, expert_layout="rows")
     return write_groups(path, config, groups, overwrite=overwrite, progress=progress,
-                        n_groups=len(groups))
+                        n_groups=n_groups)
 
 
 def _prepare_dir(path: str, overwrite: bool) -> None:

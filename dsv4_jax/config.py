@@ -77,7 +77,8 @@ class Config:
         "How packed FP4 routed-expert weights lie in memory: 'rows' ([E, out, in/2], the "
         "checkpoints' layout) or 'blocked' ([E, out/64, in/128, 64, 64]: contiguous 64-row x "
         "128-code tiles, which the decode kernels read faster; the same values). "
-        "`load(..., expert_layout='blocked')` and `dsv4_jax.block_expert_weights` convert.",
+        "`load` gives 'blocked' for FP4 experts unless told `expert_layout='rows'`; "
+        "`dsv4_jax.block_expert_weights` converts a tree.",
         "rows")
     quant_simulation: bool = _doc(
         "Reproduce the official quantisation steps: FP8 activations before FP8/FP4 GEMMs, FP8 "

@@ -1,6 +1,7 @@
 """The model on blocked FP4 experts (``Config.expert_layout="blocked"``): parameters in that
-layout give the same logits as the row layout they came from, ``load`` converts a checkpoint
-to it, ``save`` refuses it, the config refuses it where no packed FP4 experts exist, and the
+layout give the same logits as the row layout they came from, ``load`` gives it for FP4
+experts by default, ``save`` writes it back as rows, the config refuses it where no packed
+FP4 experts exist, and the
 model's decode and prefill steps lowered for CUDA run the MoE kernels straight on the tiles
 (no transpose of them into rows)."""
 import re
@@ -10,12 +11,14 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import dsv4_jax as dj
 from dsv4_jax import quant
+from dsv4_jax.checkpoints.orbax_io import read_config
 from dsv4_jax.checkpoints.testing import tiny_config, write_tiny_checkpoint
 from dsv4_jax.ffi.policy import KernelPolicy
-from dsv4_jax.params import abstract_params
+from dsv4_jax.params import abstract_params, unblock_expert_weights
 from model_lowering import lower_step
 
 CUSTOM_CALL = "stablehlo.custom_call @CuteDSLRT_NvJaxCutlassCall_v2"
@@ -56,6 +59,39 @@ def test_block_expert_weights_without_donation_keeps_the_inputs():
                                       np.asarray(row), err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices")
+@pytest.mark.parametrize("axis_type", ["explicit", "auto"])
+def test_sharded_expert_weights_are_blocked_shard_by_shard_where_they_lie(axis_type):
+    types = (jax.sharding.AxisType.Explicit if axis_type == "explicit"
+             else jax.sharding.AxisType.Auto,)
+    mesh = jax.make_mesh((4,), ("x",), axis_types=types, devices=jax.devices()[:4])
+    w = jax.random.randint(jax.random.key(0), (8, 128, 512), -128, 128, jnp.int32)
+    w = w.astype(jnp.int8)
+    want = np.asarray(quant.block_fp4_weight(w))
+
+    def tree(spec):
+        return {"layers_0": {"ffn": {"experts": {"w2": {
+            "weight": jax.device_put(w, NamedSharding(mesh, spec))}}}}}
+    for spec in (P("x"), P(), P(None, None, "x")):
+        params = tree(spec)
+        assert dj.can_block_expert_weights(params)
+        got = dj.block_expert_weights(params, donate=False)  # w's buffers may be shared
+        got = got["layers_0"]["ffn"]["experts"]["w2"]["weight"]
+        assert got.sharding == NamedSharding(mesh, spec)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(spec))
+        rows = unblock_expert_weights({"ffn": {"experts": {"w2": {"weight": got}}}})  # save's
+        rows = rows["ffn"]["experts"]["w2"]["weight"]
+        assert rows.sharding == NamedSharding(mesh, spec)
+        np.testing.assert_array_equal(np.asarray(rows), np.asarray(w), err_msg=str(spec))
+    split_rows = tree(P(None, "x"))                     # 32-row shards: not whole tiles
+    assert not dj.can_block_expert_weights(split_rows)
+    with pytest.raises(ValueError, match=re.escape(
+            "block_expert_weights: ['layers_0']['ffn']['experts']['w2']['weight'] "
+            "(8, 128, 512) on P(None, 'x') has shards (8, 32, 512), not whole 64-row x "
+            "128-code tiles")):
+        dj.block_expert_weights(split_rows)
+
+
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_blocked_experts_give_the_logits_of_rows(tokens):
     cfg = dj.Config.tiny(quantized=True)
@@ -82,21 +118,46 @@ def test_config_refuses_blocked_without_fp4_experts(kw, why):
         dj.Config.tiny(quantized=True, expert_layout="tiles")
 
 
-def test_load_converts_and_save_refuses(tmp_path):
+def test_load_blocks_fp4_experts_by_default_and_save_writes_rows(tmp_path):
     cfg = tiny_config()
     write_tiny_checkpoint(tmp_path / "hf", cfg)
-    model, rows = dj.load(tmp_path / "hf")
-    blocked_model, blocked = dj.load(tmp_path / "hf", expert_layout="blocked")
-    assert model.config.expert_layout == "rows"
-    assert blocked_model.config == model.config.replace(expert_layout="blocked")
+    model, blocked = dj.load(tmp_path / "hf")
+    rows_model, rows = dj.load(tmp_path / "hf", expert_layout="rows")
+    assert model.config.expert_layout == "blocked"
+    assert rows_model.config == model.config.replace(expert_layout="rows")
     for (path, w), b in zip(_expert_weights(rows).items(), _expert_weights(blocked).values()):
         np.testing.assert_array_equal(np.asarray(quant.block_fp4_weight(w)), np.asarray(b),
                                       err_msg=jax.tree_util.keystr(path))
-    with pytest.raises(ValueError, match=r"save: config.expert_layout is 'blocked'; "
-                                         r"checkpoints hold the experts in the 'rows' layout"):
-        dj.save(tmp_path / "orbax", blocked, blocked_model.config)
-    with pytest.raises(ValueError, match=r"load: expert_layout must be 'rows' or 'blocked', "
-                                         r"got 'tiles'"):
+    # save writes the checkpoints' row layout whatever the parameters' layout
+    dj.save(tmp_path / "orbax", blocked, model.config)
+    assert read_config(str(tmp_path / "orbax")).expert_layout == "rows"
+    _, rows_again = dj.load(tmp_path / "orbax", expert_layout="rows")
+    _, blocked_again = dj.load(tmp_path / "orbax")
+    for want, got in ((rows, rows_again), (blocked, blocked_again)):
+        assert jax.tree.structure(want) == jax.tree.structure(got)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a placement given for the files' rows holds for the tiles too
+    one = NamedSharding(jax.make_mesh((1,), ("x",)), P())
+    _, placed = dj.load(tmp_path / "hf", shardings=one)
+    assert all(leaf.sharding == one for leaf in jax.tree.leaves(placed))
+    for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(blocked)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if len(jax.devices()) >= 2:                 # w2's 64 bytes per row split in two halves
+        split_k = NamedSharding(jax.make_mesh((2,), ("x",), devices=jax.devices()[:2]),
+                                P(None, None, "x"))
+        rows_placed, _ = dj.load(tmp_path / "hf", shardings=lambda path, sds: (
+            split_k if "experts" in path and path[-1] == "weight" else one))
+        assert rows_placed.config.expert_layout == "rows"        # shards not whole tiles
+    # the blocked parameters are left as they were
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(blocked))
+    plain_model, _ = dj.load(tmp_path / "hf", dequantize=True)
+    assert plain_model.config.expert_layout == "rows"
+    with pytest.raises(ValueError, match=r"expert_layout 'blocked' is a layout of packed FP4"):
+        dj.load(tmp_path / "hf", dequantize=True, expert_layout="blocked")
+    with pytest.raises(ValueError, match=r"load: expert_layout must be None, 'rows' or "
+                                         r"'blocked', got 'tiles'"):
         dj.load(tmp_path / "hf", expert_layout="tiles")
 
 

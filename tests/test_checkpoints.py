@@ -107,6 +107,13 @@ def greedy(apply, params, steps=5):
     return tokens
 
 
+def load_rows(path, **kw):
+    """``dj.load`` in the files' row layout: these tests compare with the written tensors.
+    The default (blocked FP4 experts) is tested in test_blocked_experts_model.py, and the
+    multi-device script below runs it."""
+    return dj.load(path, expert_layout="rows", **kw)
+
+
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def ckpt(hf_checkpoint):
@@ -116,7 +123,7 @@ def ckpt(hf_checkpoint):
 
 @pytest.fixture(scope="module")
 def loaded(ckpt):
-    return dj.load(ckpt[0])
+    return load_rows(ckpt[0])
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +205,7 @@ def test_load_reproduces_params_and_logits_bitwise(ckpt, loaded, apply_q):
 
 def test_orbax_save_load_round_trip(loaded, orbax_dir, apply_q):
     model, params = loaded
-    model2, restored = dj.load(orbax_dir)
+    model2, restored = load_rows(orbax_dir)
     assert model2.config == model.config
     assert_bitwise_equal(restored, params)
     a, _ = prompt_logits(apply_q, params)
@@ -207,7 +214,7 @@ def test_orbax_save_load_round_trip(loaded, orbax_dir, apply_q):
     with pytest.raises(FileExistsError, match="not empty"):
         dj.save(orbax_dir, params, model.config)
     dj.save(orbax_dir, params, model.config, overwrite=True)
-    assert_bitwise_equal(dj.load(orbax_dir)[1], params)
+    assert_bitwise_equal(load_rows(orbax_dir)[1], params)
 
 
 def test_convert_cli_writes_a_loadable_orbax_checkpoint(ckpt, tmp_path, capsys):
@@ -216,7 +223,7 @@ def test_convert_cli_writes_a_loadable_orbax_checkpoint(ckpt, tmp_path, capsys):
     dst = str(tmp_path / "converted")
     assert convert.main(parser.parse_args([ckpt[0], dst, "--no-progress"])) == 0
     assert "wrote" in capsys.readouterr().out
-    model, params = dj.load(dst)
+    model, params = load_rows(dst)
     assert model.config == CFG
     assert_bitwise_equal(params, ckpt[1])
     assert convert.main(parser.parse_args([ckpt[0], dst])) == 1       # exists, no --overwrite
@@ -226,7 +233,7 @@ def test_convert_cli_writes_a_loadable_orbax_checkpoint(ckpt, tmp_path, capsys):
 def test_dequantize_gives_exact_plain_weights_and_close_logits(ckpt, loaded):
     path = ckpt[0]
     _, qparams = loaded
-    model, params = dj.load(path, dequantize=True, quant_simulation=False)
+    model, params = load_rows(path, dequantize=True, quant_simulation=False)
     assert not model.config.quantized and model.config.dtype == "bfloat16"
     q, d = dict(flat(qparams)), dict(flat(params))
     formats = (("fp4", quant.dequant_fp4_weight), ("fp8", quant.dequant_fp8_weight))
@@ -243,7 +250,7 @@ def test_dequantize_gives_exact_plain_weights_and_close_logits(ckpt, loaded):
         assert value.dtype == want.dtype and value.tobytes() == want.tobytes(), key
     # 4 blocks x (5 attention + 3 shared + 3 stacked expert) + CSA indexer.wq_b + MTP e/h_proj
     assert n_dequant == 4 * 11 + 1 + 2
-    ref_model, ref_params = dj.load(path, quant_simulation=False)
+    ref_model, ref_params = load_rows(path, quant_simulation=False)
     a, _ = prompt_logits(jit_apply(model.config), params)
     b, _ = prompt_logits(jit_apply(ref_model.config), ref_params)
     print("dequantized vs quantized logits, max |diff| / max |logit|:",
@@ -252,8 +259,8 @@ def test_dequantize_gives_exact_plain_weights_and_close_logits(ckpt, loaded):
 
 
 def test_orbax_dequantize_and_float32_match_the_hf_path(ckpt, orbax_dir):
-    hf = dj.load(ckpt[0], dequantize=True, dtype="float32")
-    ob = dj.load(orbax_dir, dequantize=True, dtype="float32")
+    hf = load_rows(ckpt[0], dequantize=True, dtype="float32")
+    ob = load_rows(orbax_dir, dequantize=True, dtype="float32")
     assert hf[0].config == ob[0].config and ob[0].config.dtype == "float32"
     assert_bitwise_equal(hf[1], ob[1])
     emb = ckpt[1]["embed"]["weight"]
@@ -273,22 +280,22 @@ def test_shardings_place_every_leaf(ckpt, orbax_dir):
     mesh = jax.make_mesh((1,), ("x",))
     one = NamedSharding(mesh, P())
     for source in (ckpt[0], orbax_dir):
-        _, params = dj.load(source, shardings=one)
+        _, params = load_rows(source, shardings=one)
         assert all(x.sharding == one for x in jax.tree.leaves(params))
         assert_bitwise_equal(params, ckpt[1])
     tree = jax.tree.map(lambda _: one, ckpt[1])
-    _, params = dj.load(ckpt[0], shardings=tree)
+    _, params = load_rows(ckpt[0], shardings=tree)
     assert all(x.sharding == one for x in jax.tree.leaves(params))
     rows = NamedSharding(mesh, P("x"))
-    _, params = dj.load(ckpt[0], shardings=lambda path, sds: rows if path[-1] == "weight" else one)
+    _, params = load_rows(ckpt[0], shardings=lambda path, sds: rows if path[-1] == "weight" else one)
     assert params["layers_0"]["ffn"]["experts"]["w1"]["weight"].sharding == rows
     assert params["layers_0"]["ffn"]["experts"]["w1"]["scale"].sharding == one
     assert_bitwise_equal(params, ckpt[1])
     with pytest.raises(ValueError, match="mesh axes must be 'data' and/or 'expert'"):
-        dj.load(ckpt[0], mesh=mesh)                 # mesh= uses the rule table's axis names
+        load_rows(ckpt[0], mesh=mesh)                 # mesh= uses the rule table's axis names
     del tree["layers_1"]["attn"]["wkv"]
     with pytest.raises(ValueError, match=r"layers_1/attn/wkv/scale"):
-        dj.load(ckpt[0], shardings=tree)
+        load_rows(ckpt[0], shardings=tree)
 
 
 MULTI_DEVICE_SCRIPT = """
@@ -338,7 +345,7 @@ def test_sharded_load_over_four_devices_reads_each_devices_slice(ckpt, tmp_path)
 def test_expert_stacking_keeps_expert_order_and_nibble_order(ckpt, loaded):
     path = ckpt[0]
     _, params = loaded
-    _, plain = dj.load(path, dequantize=True)
+    _, plain = load_rows(path, dequantize=True)
     for layer, e in (("0", 3), ("2", 7)):
         w = raw_tensor(path, f"layers.{layer}.ffn.experts.{e}.w1.weight")
         s = raw_tensor(path, f"layers.{layer}.ffn.experts.{e}.w1.scale")
@@ -363,14 +370,14 @@ def test_fp8_experts_are_detected_when_config_json_omits_expert_dtype(tmp_path):
     del hf["expert_dtype"]                    # as the April config.json files
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
-    model, got = dj.load(path)
+    model, got = load_rows(path)
     assert model.config.expert_dtype == "fp8"
     assert_bitwise_equal(got, params)
     hf["expert_dtype"] = "fp4"
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
     with pytest.raises(CheckpointError, match=r"experts\.0\.w1\.weight is F8_E4M3"):
-        dj.load(path)
+        load_rows(path)
 
 
 def test_f32_power_of_two_scales_load_as_e8m0(ckpt, tmp_path):
@@ -378,10 +385,10 @@ def test_f32_power_of_two_scales_load_as_e8m0(ckpt, tmp_path):
     name = "layers.1.attn.wq_b.scale"
     s = np.asarray(params["layers_1"]["attn"]["wq_b"]["scale"]).astype(np.float32)
     edited = edit_checkpoint(path, str(tmp_path / "f32"), put={name: s})
-    assert_bitwise_equal(dj.load(edited)[1], params)
+    assert_bitwise_equal(load_rows(edited)[1], params)
     bad = edit_checkpoint(path, str(tmp_path / "bad"), put={name: s * np.float32(1.5)})
     with pytest.raises(CheckpointError, match=name + ".*not a power of two"):
-        dj.load(bad)
+        load_rows(bad)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -394,7 +401,7 @@ def test_missing_and_unexpected_tensors_are_all_listed(ckpt, tmp_path):
                                   "layers.9.attn_norm.weight": extra,
                                   "mtp.0.head.weight": extra})     # ignored, as the reference does
     with pytest.raises(CheckpointError) as err:
-        dj.load(edited)
+        load_rows(edited)
     msg = str(err.value)
     assert "2 missing tensors" in msg and "2 unexpected tensors" in msg
     for name in ("layers.1.attn.wq_b.scale", "layers.0.ffn.experts.5.w3.weight",
@@ -408,7 +415,7 @@ def test_wrong_shape_or_dtype_names_the_tensor(ckpt, tmp_path):
         "layers.0.attn.wkv.weight": np.zeros((512, 128), ml_dtypes.float8_e4m3fn),
         "embed.weight": np.zeros((1024, 256), np.float32)})
     with pytest.raises(CheckpointError) as err:
-        dj.load(edited)
+        load_rows(edited)
     msg = str(err.value)
     assert "layers.0.attn.wkv.weight: expected F8_E4M3[512, 256], got F8_E4M3[512, 128]" in msg
     assert "embed.weight: expected BF16[1024, 256], got F32[1024, 256]" in msg
@@ -420,7 +427,7 @@ def test_out_of_range_expert_ids_are_rejected(ckpt, tmp_path):
     table[5, 1] = CFG.n_routed_experts
     edited = edit_checkpoint(path, str(tmp_path / "e"), put={"layers.1.ffn.gate.tid2eid": table})
     with pytest.raises(CheckpointError, match=r"layers\.1\.ffn\.gate\.tid2eid: expert id 8"):
-        dj.load(edited)
+        load_rows(edited)
 
 
 def _header_bytes(header: dict) -> bytes:
@@ -461,7 +468,7 @@ def test_corrupt_safetensors_files_are_named(ckpt, tmp_path, case, match):
         with open(shard, "wb") as f:
             f.write(data)
     with pytest.raises(CheckpointError, match=match) as err:
-        dj.load(edited)
+        load_rows(edited)
     assert "model-00002-of-00003.safetensors" in str(err.value)
 
 
@@ -471,7 +478,7 @@ def test_index_and_directory_problems(ckpt, tmp_path):
     shutil.copytree(path, missing_shard)
     os.remove(os.path.join(missing_shard, "model-00003-of-00003.safetensors"))
     with pytest.raises(FileNotFoundError, match="model-00003-of-00003.safetensors"):
-        dj.load(missing_shard)
+        load_rows(missing_shard)
     wrong_index = str(tmp_path / "w")
     shutil.copytree(path, wrong_index)
     with open(os.path.join(wrong_index, INDEX)) as f:
@@ -481,24 +488,24 @@ def test_index_and_directory_problems(ckpt, tmp_path):
         json.dump(index, f)
     with pytest.raises(CheckpointError, match=r"(?s)index.json disagrees.*"
                                               r"not found in the named file: embed\.weight"):
-        dj.load(wrong_index)
+        load_rows(wrong_index)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        dj.load(str(tmp_path / "nowhere"))
+        load_rows(str(tmp_path / "nowhere"))
     os.makedirs(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="neither config.json"):
-        dj.load(str(tmp_path / "empty"))
+        load_rows(str(tmp_path / "empty"))
 
 
 def test_unknown_architecture_and_bad_overrides(ckpt, tmp_path):
     path = ckpt[0]
     with pytest.raises(TypeError, match="n_expertz"):
-        dj.load(path, n_expertz=4)
+        load_rows(path, n_expertz=4)
     with pytest.raises(TypeError, match="quant_simulation"):
-        dj.load(path, quant_simulation="no")
+        load_rows(path, quant_simulation="no")
     with pytest.raises(ValueError, match="float16"):
-        dj.load(path, dtype="float16")
+        load_rows(path, dtype="float16")
     with pytest.raises(ValueError, match="expert_dtype='fp8'"):
-        dj.load(path, expert_dtype="fp8")
+        load_rows(path, expert_dtype="fp8")
     llama = str(tmp_path / "llama")
     shutil.copytree(path, llama)
     with open(os.path.join(llama, "config.json")) as f:
@@ -507,12 +514,12 @@ def test_unknown_architecture_and_bad_overrides(ckpt, tmp_path):
     with open(os.path.join(llama, "config.json"), "w") as f:
         json.dump(hf, f)
     with pytest.raises(ValueError, match="unsupported architecture"):
-        dj.load(llama)
+        load_rows(llama)
 
 
 def test_incompatible_orbax_checkpoint_names_the_leaves(orbax_dir, loaded, tmp_path):
     with pytest.raises(CheckpointError) as err:
-        dj.load(orbax_dir, n_routed_experts=16)
+        load_rows(orbax_dir, n_routed_experts=16)
     msg = str(err.value)
     assert "n_routed_experts: stored 8, requested 16" in msg
     assert "layers_0/ffn/experts/w1/weight: expected int8[16, 128, 128]" in msg
@@ -525,7 +532,7 @@ def test_incompatible_orbax_checkpoint_names_the_leaves(orbax_dir, loaded, tmp_p
     with open(cfg_file, "w") as f:
         json.dump(doc, f)
     with pytest.raises(CheckpointError, match=r"missing in the checkpoint: layers_3/"):
-        dj.load(edited)
+        load_rows(edited)
     model, params = loaded
     params = dict(params)
     params["norm"] = {"weight": jnp.zeros((128,), jnp.bfloat16)}
