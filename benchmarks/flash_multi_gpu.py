@@ -112,6 +112,9 @@ def main():
                          "(GroupedGemmPolicy.pdl): 'on', 'off', or both ('on,off'): with "
                          "--batches both loops are compiled and timed in turn, repeat by "
                          "repeat")
+    ap.add_argument("--expert-layout", choices=("rows", "blocked"), default=None,
+                    help="the routed FP4 experts' layout (Config.expert_layout); default: "
+                         "what dj.load gives, 'blocked' for packed FP4 experts")
     ap.add_argument("--repeats", type=int, default=3,
                     help="--batches: timings per loop (two budgets each); the median is "
                          "reported, and every repeat")
@@ -121,6 +124,8 @@ def main():
             ap.error(f"--pdl: {value!r} is not one of {sorted(PDL)}")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.steps < 3:                          # the first two are warm-up, not timed
+        ap.error(f"--steps must be >= 3, got {args.steps}")
     if args.replicate_max_rows is not None:     # before anything is traced
         mesh_rules.REPLICATE_MAX_ROWS = args.replicate_max_rows[0]
     out_dir = os.environ.get("OUT", ".")
@@ -160,8 +165,14 @@ def main():
 
     t = time.perf_counter()
     params = dj.init_params(cfg, 0, shardings=sharding.param_shardings(cfg, mesh))
+    layout = args.expert_layout or (
+        "blocked" if cfg.quantized and cfg.expert_dtype == "fp4" else "rows")
+    if layout == "blocked":                     # as dj.load gives them (same bytes, in place)
+        cfg = cfg.replace(expert_layout="blocked")
+        params = dj.block_expert_weights(params)
     jax.block_until_ready(params)
-    log(init_s=round(time.perf_counter() - t, 1), memory_after_init=device_memory())
+    log(init_s=round(time.perf_counter() - t, 1), expert_layout=cfg.expert_layout,
+        memory_after_init=device_memory())
 
     if args.batches:
         for bound in args.replicate_max_rows or [mesh_rules.REPLICATE_MAX_ROWS]:
