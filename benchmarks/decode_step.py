@@ -374,9 +374,10 @@ def run_generate(args, base, params_big, out):
 def run_speculative(args, base, params_big, out):
     """The MTP speculative loop of the big stack + its MTP block: time per generated token
     (random weights: drafts are rejected, one token per step) against the plain loop."""
-    big = args.layers[1]
-    cfg = stack_config(base, big, mtp=True)
-    params = dict(sub_stack(params_big, big), **device_params(cfg, only="mtp_"))
+    big, impl = args.layers[1], args.impls[0]
+    rows_cfg = stack_config(base, big, mtp=True)
+    params = dict(sub_stack(params_big, big), **device_params(rows_cfg, only="mtp_"))
+    cfg, params = config_of(impl, rows_cfg), params_of(impl, params, {})
     lines = [f"### Speculative (MTP) loop, L={big} + the MTP block, per generated token "
              "(random weights: drafts are seldom accepted)", "",
              "| ctx | batch | plain (ms) | speculative (ms) |", "|---|---|---|---|"]
@@ -384,7 +385,7 @@ def run_speculative(args, base, params_big, out):
         for batch in [b for b in args.batches if b <= 8]:
             t = {}
             for spec in (False, True):
-                wall, _, run = figures.time_generate(cfg, policy_of(args.impls[0]), params,
+                wall, _, run = figures.time_generate(cfg, policy_of(impl), params,
                                                      batch, ctx, args.steps, speculative=spec)
                 t[spec] = wall
                 del run
@@ -400,15 +401,16 @@ def run_decode(args, base, params_big, out):
     lines = [f"### Decode, ctx {args.ctx}, per layer = (t_{big} - t_{small}) / {big - small}",
              "", "| impl | batch | step L=%d (ms) | step L=%d (ms) | per layer (ms) | "
              "tokens/s (L=%d) | finite |" % (small, big, big), "|---|---|---|---|---|---|---|"]
-    keep = {}
+    keep, converted = {}, {}
     for impl in args.impls:
         policy = policy_of(impl)
+        impl_params = params_of(impl, params_big, converted)
         for batch in args.batches:
             t = {}
             for layers in (small, big):
-                cfg = stack_config(base, layers)
+                cfg = config_of(impl, stack_config(base, layers))
                 med, comp, finite, state = time_decode(cfg, policy,
-                                                       sub_stack(params_big, layers),
+                                                       sub_stack(impl_params, layers),
                                                        batch, args.ctx, args.steps)
                 t[layers] = med
                 print(f"decode {impl} batch={batch} L={layers}: {med * 1e3:.2f} ms "
@@ -438,14 +440,15 @@ def run_prefill(args, base, params_big, out):
              f"(t_{big} - t_{small}) / {big - small}", "",
              "| impl | chunk | L=%d (ms) | L=%d (ms) | per layer (ms) | tokens/s per layer | "
              "tokens/s (L=%d) |" % (small, big, big), "|---|---|---|---|---|---|---|"]
-    keep = {}
+    keep, converted = {}, {}
     # A "+algorithm" suffix only changes decode tiles: prefill chunks run the same kernels
     # (a "+prefill:algorithm" suffix changes them).
     for impl in dict.fromkeys(i if "+prefill:" in i else i.partition("+")[0]
                               for i in args.impls):
         policy = policy_of(impl)
+        impl_params = params_of(impl, params_big, converted)
         for chunk in args.chunks:
-            if impl.partition("+")[0] != "auto" and chunk > args.xla_max_chunk:
+            if impl.partition("+")[0].partition("/")[0] != "auto" and chunk > args.xla_max_chunk:
                 lines.append(f"| {impl} | {chunk} | skip | skip | | | |")
                 continue
             t = {}
@@ -453,9 +456,9 @@ def run_prefill(args, base, params_big, out):
                 # Each stack on its own: whether the small one fits is a result of its own
                 # (the issue's 8192-token chunk of a 2-layer stack) when the big one does not.
                 try:
-                    cfg = stack_config(base, layers)
+                    cfg = config_of(impl, stack_config(base, layers))
                     med, comp, finite, state = time_prefill(cfg, policy,
-                                                            sub_stack(params_big, layers),
+                                                            sub_stack(impl_params, layers),
                                                             chunk, args.prefill_runs)
                 except Exception as err:             # out of memory at long chunks: say so
                     if ("RESOURCE_EXHAUSTED" not in str(err)
