@@ -54,6 +54,7 @@ from dsv4_jax.decoding import build_programs, run_prefill
 from dsv4_jax.ffi.policy import GroupedGemmPolicy, KernelPolicy
 from dsv4_jax.generation import plain_method
 from dsv4_jax.mesh_rules import padded_rows
+from dsv4_jax.params import default_expert_layout
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_figures as figures  # noqa: E402  (a sibling module of this script)
@@ -165,8 +166,7 @@ def main():
 
     t = time.perf_counter()
     params = dj.init_params(cfg, 0, shardings=sharding.param_shardings(cfg, mesh))
-    layout = args.expert_layout or (
-        "blocked" if cfg.quantized and cfg.expert_dtype == "fp4" else "rows")
+    layout = args.expert_layout or default_expert_layout(cfg, params)
     if layout == "blocked":                     # as dj.load gives them (same bytes, in place)
         cfg = cfg.replace(expert_layout="blocked")
         params = dj.block_expert_weights(params)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 
 from dsv4_jax.ffi.policy import KernelPolicy
-from dsv4_jax.params import block_expert_weights, can_block_expert_weights
+from dsv4_jax.params import block_expert_weights, default_expert_layout
 from dsv4_jax.models.transformer import DSV4
 from .hf import load_hf
 from .orbax_io import is_orbax_dir, load_orbax, save as _save
@@ -90,12 +90,7 @@ def load(path, *, dequantize: bool = False, shardings=None, mesh=None, dtype=Non
     else:
         raise FileNotFoundError(f"load: {path!r} has neither config.json (HF checkpoint) nor "
                                 "dsv4_config.json (orbax checkpoint written by dsv4_jax.save)")
-    if expert_layout is None:
-        # Blocked where the experts are packed FP4 and each device's shard is whole tiles
-        # (the rule table's placements are); other placements keep the files' rows.
-        fp4 = cfg.quantized and cfg.expert_dtype == "fp4"
-        expert_layout = "blocked" if fp4 and can_block_expert_weights(params) else "rows"
-    if expert_layout == "blocked":
+    if (expert_layout or default_expert_layout(cfg, params)) == "blocked":
         cfg = cfg.replace(expert_layout="blocked")        # ValueError unless FP4 experts
         params = block_expert_weights(params)
     return DSV4(cfg, mesh=mesh, implementation=policy), params

@@ -224,6 +224,12 @@ def _named_sharding(leaf):
     return leaf.sharding if isinstance(leaf.sharding, NamedSharding) else None
 
 
+def _shard_shape(leaf) -> tuple:
+    """The shape of each device's piece of ``leaf`` (the whole shape unless it is split)."""
+    sharding = _named_sharding(leaf)
+    return tuple(sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape)
+
+
 def _is_row_fp4_expert_weight(path, leaf) -> bool:
     return (_is_expert_weight(leaf_keys(path)) and leaf.ndim == 3
             and jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8)))
@@ -231,10 +237,10 @@ def _is_row_fp4_expert_weight(path, leaf) -> bool:
 
 def _block_leaf(path, leaf, donate: bool):
     sharding = _named_sharding(leaf)
-    if sharding is not None and not quant.can_block_fp4(sharding.shard_shape(leaf.shape)):
+    if sharding is not None and not quant.can_block_fp4(_shard_shape(leaf)):
         raise ValueError(
             f"block_expert_weights: {jax.tree_util.keystr(path)} {tuple(leaf.shape)} on "
-            f"{sharding.spec} has shards {sharding.shard_shape(leaf.shape)}, not whole 64-row "
+            f"{sharding.spec} has shards {_shard_shape(leaf)}, not whole 64-row "
             f"x 128-code tiles: shard the experts' dim 0 only, or keep expert_layout='rows'")
     return _per_shard(quant.block_fp4_weight, donate, sharding)(leaf)
 
@@ -242,15 +248,16 @@ def _block_leaf(path, leaf, donate: bool):
 def can_block_expert_weights(params: dict) -> bool:
     """Whether ``block_expert_weights`` can convert every packed FP4 routed-expert weight of
     ``params`` where it lies (each shard whole tiles); False when there is none."""
-    found = False
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        if _is_row_fp4_expert_weight(path, leaf):
-            sharding = _named_sharding(leaf)
-            shape = sharding.shard_shape(leaf.shape) if sharding is not None else leaf.shape
-            if not quant.can_block_fp4(shape):
-                return False
-            found = True
-    return found
+    weights = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if _is_row_fp4_expert_weight(path, leaf)]
+    return bool(weights) and all(quant.can_block_fp4(_shard_shape(w)) for w in weights)
+
+
+def default_expert_layout(cfg: Config, params: dict) -> str:
+    """The layout ``load`` gives routed experts: "blocked" for packed FP4 experts whose
+    shards are whole tiles (the rule table's are), "rows" otherwise."""
+    fp4 = cfg.quantized and cfg.expert_dtype == "fp4"
+    return "blocked" if fp4 and can_block_expert_weights(params) else "rows"
 
 
 def block_expert_weights(params: dict, *, donate: bool = True) -> dict:
