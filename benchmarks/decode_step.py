@@ -119,11 +119,12 @@ def policy_of(value: str) -> KernelPolicy:
     ``/ffnsum``, ``/noffnsum``: each MoE output summed inside the next
     mHC pre, or by XLA; ``/qrope``: the queries' norm and RoPE and the output's inverse RoPE
     inside the attention op; ``/blocked``: the default policy on the routed experts' weights
-    in the blocked layout, ``params_of``)."""
-    value, _, variant = value.partition("/")
-    if variant not in VARIANTS and variant not in POLICY_VARIANTS | PARAM_VARIANTS:
-        raise ValueError(f"--impls: {value}/{variant}: the variants are "
-                         f"{sorted(VARIANTS) + sorted(POLICY_VARIANTS | PARAM_VARIANTS)}")
+    in the blocked layout, ``params_of``). Variants combine: ``auto/blocked/nointerleave``."""
+    value, *variants = value.split("/")
+    for variant in variants:
+        if variant not in VARIANTS and variant not in POLICY_VARIANTS | PARAM_VARIANTS:
+            raise ValueError(f"--impls: {value}/{variant}: the variants are "
+                             f"{sorted(VARIANTS) + sorted(POLICY_VARIANTS | PARAM_VARIANTS)}")
     value, _, algorithm = value.partition("+")
     env = {} if value == "auto" else {IMPLEMENTATION_ENV_VAR: value}
     if algorithm.startswith("prefill:"):
@@ -131,21 +132,28 @@ def policy_of(value: str) -> KernelPolicy:
     elif algorithm:
         env[ALGORITHM_ENV_VAR] = algorithm
     policy = KernelPolicy.from_environment(env)
-    if variant in POLICY_VARIANTS:
-        return dataclasses.replace(policy, **POLICY_VARIANTS[variant])
-    if variant in PARAM_VARIANTS:
-        return policy
-    if variant:
-        policy = dataclasses.replace(policy, grouped_gemm=dataclasses.replace(
-            policy.grouped_gemm, **VARIANTS[variant]))
+    for variant in variants:
+        if variant in POLICY_VARIANTS:
+            policy = dataclasses.replace(policy, **POLICY_VARIANTS[variant])
+        elif variant in VARIANTS:
+            policy = dataclasses.replace(policy, grouped_gemm=dataclasses.replace(
+                policy.grouped_gemm, **VARIANTS[variant]))
     return policy
+
+
+def param_variant(impl: str) -> str | None:
+    """The ``PARAM_VARIANTS`` entry among an ``--impls`` entry's variants, if any."""
+    found = [v for v in impl.split("/")[1:] if v in PARAM_VARIANTS]
+    if len(found) > 1:
+        raise ValueError(f"--impls: {impl}: at most one of {sorted(PARAM_VARIANTS)}")
+    return found[0] if found else None
 
 
 def params_of(impl: str, params: dict, converted: dict) -> dict:
     """The parameters an ``--impls`` entry runs on: ``params``, or for a ``PARAM_VARIANTS``
     variant their conversion, made once and kept in ``converted``."""
-    variant = impl.partition("/")[2]
-    if variant not in PARAM_VARIANTS:
+    variant = param_variant(impl)
+    if variant is None:
         return params
     if variant not in converted:
         converted[variant] = jax.block_until_ready(PARAM_VARIANTS[variant][0](params))
@@ -154,8 +162,8 @@ def params_of(impl: str, params: dict, converted: dict) -> dict:
 
 def config_of(impl: str, cfg: dj.Config) -> dj.Config:
     """The config an ``--impls`` entry runs: ``cfg``, or the one its parameters need."""
-    variant = impl.partition("/")[2]
-    return cfg.replace(**PARAM_VARIANTS[variant][1]) if variant in PARAM_VARIANTS else cfg
+    variant = param_variant(impl)
+    return cfg.replace(**PARAM_VARIANTS[variant][1]) if variant else cfg
 
 
 def make_step(cfg, policy: KernelPolicy):
