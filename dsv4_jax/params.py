@@ -236,11 +236,11 @@ def _is_row_fp4_expert_weight(path, leaf) -> bool:
 
 
 def _block_leaf(path, leaf, donate: bool):
-    sharding = _named_sharding(leaf)
-    if sharding is not None and not quant.can_block_fp4(_shard_shape(leaf)):
+    sharding, shard = _named_sharding(leaf), _shard_shape(leaf)
+    if sharding is not None and not quant.can_block_fp4(shard):
         raise ValueError(
             f"block_expert_weights: {jax.tree_util.keystr(path)} {tuple(leaf.shape)} on "
-            f"{sharding.spec} has shards {_shard_shape(leaf)}, not whole 64-row "
+            f"{sharding.spec} has shards {shard}, not whole 64-row "
             f"x 128-code tiles: shard the experts' dim 0 only, or keep expert_layout='rows'")
     return _per_shard(quant.block_fp4_weight, donate, sharding)(leaf)
 
